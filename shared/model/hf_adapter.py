@@ -1,0 +1,269 @@
+"""The one module that touches transformers internals.
+
+Everything else in the project speaks in plain tensors:
+keys/values are per layer ``[B, H_kv, T, D]`` with keys **pre-RoPE** (the output of ``k_proj``,
+before the rotation), hidden states ``h_l`` are ``[B, T, d]`` (the output of layer l's input RMSNorm,
+what ``k_proj``/``v_proj`` read), and a residual-stream state is the input of a decoder layer.
+
+Supported families: Llama, Mistral (without a sliding window) and Qwen2, all with GQA. They share
+the HF module layout ``model.model.layers[i].{input_layernorm, self_attn.{k,v}_proj}`` and the
+``rotate_half`` RoPE, which is what this adapter relies on; an unsupported family fails at load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+class UnsupportedModel(ValueError):
+    """The model's family or configuration is not one the adapter can read and write."""
+
+
+@dataclass(frozen=True)
+class PrefillState:
+    """What one producer prefill yields, captured in a single forward pass."""
+
+    keys: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D], pre-RoPE
+    values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # normalized pre-attn input [B, T, d]
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)  # decoder-layer input [B, T, d]
+    token_ids: torch.Tensor | None = None  # [B, T]
+    last_logits: torch.Tensor | None = None  # [B, V] logits at the last position
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys[0].shape[2]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ModelAdapter:
+    """Reads and writes the KV internals of one HF causal LM."""
+
+    def __init__(self, model: PreTrainedModel):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model_type {cfg.model_type!r} is not supported; expected one of {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+            raise UnsupportedModel("Mistral with a sliding window is not supported; set sliding_window=None")
+        if cfg.model_type == "qwen2" and getattr(cfg, "use_sliding_window", False):
+            raise UnsupportedModel("Qwen2 with use_sliding_window=True is not supported")
+        self.model = model.eval()
+        self.config = cfg
+        self.n_layers: int = cfg.num_hidden_layers
+        self.n_kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size: int = cfg.hidden_size
+        self.kv_dim: int = self.n_kv_heads * self.head_dim
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def layers(self):
+        return self.model.model.layers
+
+    def _ids(self, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        t = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        return t.unsqueeze(0) if t.dim() == 1 else t
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # [B, T, H_kv*D] -> [B, H_kv, T, D]
+        return x.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _rope(self, like: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + length, device=self.device).unsqueeze(0)
+        return self.model.model.rotary_emb(like, position_ids=pos)  # each [1, T, D]
+
+    def apply_rope(self, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Rotate pre-RoPE keys [B, H, T, D] to positions start..start+T-1 with this model's RoPE."""
+        cos, sin = self._rope(keys, start, keys.shape[2])
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return keys * cos + _rotate_half(keys) * sin
+
+    # ------------------------------------------------------------------ capture
+    @contextlib.contextmanager
+    def _capture(
+        self, kv_layers: Sequence[int], hidden_layers: Sequence[int], residual_layers: Sequence[int]
+    ) -> Iterator[dict[str, dict[int, torch.Tensor]]]:
+        out: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "h": {}, "r": {}}
+        handles = []
+
+        def save(kind: str, idx: int, split: bool):
+            def hook(_mod, _inp, output):
+                out[kind][idx] = self._split_heads(output) if split else output
+
+            return hook
+
+        def save_input(idx: int):
+            def hook(_mod, args, kwargs):
+                out["r"][idx] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        try:
+            for i in kv_layers:
+                attn = self.layers[i].self_attn
+                handles.append(attn.k_proj.register_forward_hook(save("k", i, True)))
+                handles.append(attn.v_proj.register_forward_hook(save("v", i, True)))
+            for i in hidden_layers:
+                handles.append(self.layers[i].input_layernorm.register_forward_hook(save("h", i, False)))
+            for i in residual_layers:
+                handles.append(self.layers[i].register_forward_pre_hook(save_input(i), with_kwargs=True))
+            yield out
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        ids: torch.Tensor | Sequence[int],
+        hidden_layers: Sequence[int] = (),
+        residual_layers: Sequence[int] = (),
+    ) -> PrefillState:
+        """One forward pass over ``ids`` capturing pre-RoPE K/V at every layer, ``h_l`` at
+        ``hidden_layers`` and the residual-stream input at ``residual_layers``."""
+        ids = self._ids(ids)
+        with self._capture(range(self.n_layers), hidden_layers, residual_layers) as cap:
+            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return PrefillState(
+            keys=tuple(cap["k"][i] for i in range(self.n_layers)),
+            values=tuple(cap["v"][i] for i in range(self.n_layers)),
+            hidden=dict(cap["h"]),
+            residual=dict(cap["r"]),
+            token_ids=ids,
+            last_logits=out.logits[:, -1].float(),
+        )
+
+    # ------------------------------------------------------------------ write
+    def build_cache(
+        self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int = 0
+    ) -> DynamicCache:
+        """A consumer cache from per-layer pre-RoPE keys and values (applies this model's RoPE)."""
+        if len(keys) != self.n_layers or len(values) != self.n_layers:
+            raise ValueError(f"expected {self.n_layers} layers of K and V, got {len(keys)} and {len(values)}")
+        cache = DynamicCache(config=self.config)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            k = k.to(self.device, self.dtype)
+            cache.update(self.apply_rope(k, start), v.to(self.device, self.dtype), i)
+        return cache
+
+    def layer_cache_entry(self, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """RoPE-rotated keys for one layer (for incremental, layer-by-layer cache building)."""
+        return self.apply_rope(keys.to(self.device, self.dtype), start)
+
+    @staticmethod
+    def cache_from_rotated(rotated: Sequence[tuple[torch.Tensor, torch.Tensor]], config) -> DynamicCache:
+        cache = DynamicCache(config=config)
+        for i, (k, v) in enumerate(rotated):
+            cache.update(k, v, i)
+        return cache
+
+    @staticmethod
+    def cache_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values held by ``cache`` at ``layer``."""
+        return cache.layers[layer].keys, cache.layers[layer].values
+
+    @torch.inference_mode()
+    def regenerate_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Native pre-RoPE K and V of ``layer`` from a normalized pre-attention input [B, T, d]."""
+        attn = self.layers[layer].self_attn
+        h = hidden.to(self.device, self.dtype)
+        k = self._split_heads(attn.k_proj(h))
+        if hasattr(attn, "k_norm"):  # families with a per-head key norm (none supported today)
+            k = attn.k_norm(k)
+        return k, self._split_heads(attn.v_proj(h))
+
+    @torch.inference_mode()
+    def run_layers(
+        self, residual: torch.Tensor, first: int, last: int, start: int = 0
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run decoder layers ``first..last-1`` over residual-stream states [B, T, d] at positions
+        start.. (selective recompute). Returns the residual output and each layer's pre-RoPE K/V."""
+        if not 0 <= first < last <= self.n_layers:
+            raise ValueError(f"layer range must satisfy 0 <= first < last <= {self.n_layers}, got {first}..{last}")
+        if start != 0:
+            raise NotImplementedError("run_layers recomputes a prompt from position 0 only")
+        x = residual.to(self.device, self.dtype)
+        pos = torch.arange(x.shape[1], device=self.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos
+        )
+        pe = self.model.model.rotary_emb(x, position_ids=pos)
+        with self._capture(range(first, last), (), ()) as cap:
+            for i in range(first, last):
+                x = self.layers[i](x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        return x, [cap["k"][i] for i in range(first, last)], [cap["v"][i] for i in range(first, last)]
+
+    # ------------------------------------------------------------------ read out
+    @torch.inference_mode()
+    def forward_with_cache(self, cache: DynamicCache, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Logits [B, N, V] for ``ids`` placed after the cached tokens; extends ``cache`` in place."""
+        out = self.model(input_ids=self._ids(ids), use_cache=True, **{self._cache_kw: cache})
+        return out.logits.float()
+
+    @torch.inference_mode()
+    def greedy_steps(
+        self, cache: DynamicCache, next_id: int, max_new_tokens: int, stop_ids: Sequence[int] = ()
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Greedy decode: feed ``next_id`` (the last prompt token, whose K/V the cache does not hold),
+        yield (token, logits) per new token until ``max_new_tokens`` or a stop id."""
+        tok = next_id
+        for _ in range(max_new_tokens):
+            logits = self.forward_with_cache(cache, [tok])[0, -1]
+            tok = int(logits.argmax())
+            yield tok, logits
+            if tok in stop_ids:
+                return
+
+    def greedy(
+        self, cache: DynamicCache, next_id: int, max_new_tokens: int, stop_ids: Sequence[int] = ()
+    ) -> list[int]:
+        return [t for t, _ in self.greedy_steps(cache, next_id, max_new_tokens, stop_ids)]
+
+    @torch.inference_mode()
+    def score(self, cache: DynamicCache, next_id: int, continuation: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced log-probs [N+1, V]: position 0 predicts continuation[0] from the cache plus
+        ``next_id``; position j predicts continuation[j]; the last row predicts what follows."""
+        ids = [next_id, *continuation]
+        return torch.log_softmax(self.forward_with_cache(cache, ids)[0], dim=-1)
+
+    @torch.inference_mode()
+    def own_cache(self, ids: torch.Tensor | Sequence[int]) -> DynamicCache:
+        """This model's own prefill cache of ``ids`` (the Oracle)."""
+        out = self.model(input_ids=self._ids(ids), use_cache=True, logits_to_keep=1)
+        return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def clone_cache(cache: DynamicCache, config) -> DynamicCache:
+    """A deep copy (decoding extends a cache in place)."""
+    return ModelAdapter.cache_from_rotated(
+        [(L.keys.clone(), L.values.clone()) for L in cache.layers], config
+    )

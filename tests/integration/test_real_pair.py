@@ -1,0 +1,55 @@
+"""The real SmolLM2 pair: assets load with plain from_pretrained, caches transfer exactly between
+identical models, and the strong consumer really drifts."""
+
+import pytest
+
+from shared import data
+from shared.assets.models import consumer_dir, load_model, producer_dir
+from shared.eval.harness import evaluate, oracle, raw
+from shared.model.fingerprint import weights_fingerprint
+from shared.model.hf_adapter import ModelAdapter
+
+
+@pytest.fixture(scope="module")
+def producer(real_assets):
+    return ModelAdapter(load_model(producer_dir()))
+
+
+@pytest.fixture(scope="module")
+def strong(real_assets):
+    return ModelAdapter(load_model(consumer_dir("strong")))
+
+
+def test_consumers_are_distinct_models(producer, strong):
+    mild = load_model(consumer_dir("mild"))
+    fps = {weights_fingerprint(producer.model), weights_fingerprint(strong.model), weights_fingerprint(mild)}
+    assert len(fps) == 3
+
+
+def test_producer_sanity(producer, tokenizer):
+    ids = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    cache = producer.build_cache(*_kv(producer.prefill(ids[:-1])))
+    out = tokenizer.decode(producer.greedy(cache, ids[-1], 3))
+    assert "Paris" in out, out
+
+
+def _kv(state):
+    return state.keys, state.values
+
+
+def test_raw_between_identical_models_is_exact(producer, tokenizer):
+    items = data.load("qa", "test", 1)
+    res = evaluate(producer, producer, tokenizer, items, {"oracle": oracle, "raw": raw}, True,
+                   max_new_tokens=8, progress=False)
+    assert res["methods"]["raw"]["kl"] < 1e-6
+    assert res["methods"]["raw"]["agree_f1"] == 1.0
+    assert max(res["layers"]["v_rel_err"]) == 0.0
+
+
+def test_strong_pair_drifts(producer, strong, tokenizer):
+    items = data.load("qa", "test", 2)
+    res = evaluate(producer, strong, tokenizer, items, {"oracle": oracle, "raw": raw}, False,
+                   max_new_tokens=8, progress=False)
+    assert res["methods"]["oracle"]["kl"] == 0.0
+    assert res["methods"]["raw"]["kl"] > 0.02, res["methods"]["raw"]
+    assert res["layers"]["v_rel_err"][-1] > res["layers"]["v_rel_err"][0]

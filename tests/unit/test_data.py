@@ -1,0 +1,64 @@
+"""The evaluation data: disjoint splits, answers in context, lengths in range, hashes verified."""
+
+import hashlib
+import json
+
+import pytest
+
+from shared import data
+from shared.paths import data_dir
+
+
+@pytest.fixture(scope="module")
+def splits(real_assets):
+    return {s: data.load("qa", s) for s in data.SPLITS}
+
+
+def test_counts_and_lengths(splits, tokenizer):
+    for split, items in splits.items():
+        assert len(items) == data.QA_COUNTS[split]
+        for it in items:
+            assert data.MIN_TOKENS <= len(it.prompt_ids) <= data.MAX_TOKENS
+            assert it.answer and it.answer in tokenizer.decode(it.prompt_ids)
+
+
+def test_splits_are_disjoint_by_passage(splits, tokenizer):
+    answers = {s: {it.answer for it in items} for s, items in splits.items()}
+    assert not answers["test"] & answers["calibration"]
+    assert not answers["test"] & answers["validation"]
+    assert not answers["validation"] & answers["calibration"]
+
+
+def test_every_prompt_starts_with_the_same_template_prefix(splits):
+    first = splits["test"][0]
+    prefix = first.prompt_ids[: first.prefix_len]
+    assert first.prefix_len > 10
+    for items in splits.values():
+        assert all(it.prompt_ids[: it.prefix_len] == prefix for it in items)
+
+
+def test_lm_items_have_heldout_continuations(real_assets):
+    for it in data.load("lm", "test"):
+        assert len(it.continuation_ids) == data.LM_CONTINUATION and it.prefix_len == 0
+
+
+def test_manifest_hashes_match_and_tampering_is_refused(real_assets, tmp_path):
+    manifest = json.loads((data_dir() / "manifest.json").read_text())
+    for name, meta in manifest["files"].items():
+        assert hashlib.sha256((data_dir() / name).read_bytes()).hexdigest() == meta["sha256"]
+    for name in ("manifest.json", "qa_test.jsonl"):
+        (tmp_path / name).write_bytes((data_dir() / name).read_bytes())
+    with open(tmp_path / "qa_test.jsonl", "a") as f:
+        f.write("\n")
+    with pytest.raises(ValueError, match="sha256"):
+        data.load("qa", "test", root=tmp_path)
+
+
+def test_operator_prompts_file(tmp_path, tokenizer):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "What is 2+2?", "answer": "4"}\nplain text prompt\n')
+    items = data.load_jsonl_prompts(f, tokenizer)
+    assert [it.answer for it in items] == ["4", ""]
+    f.write_text('{"answer": "x"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        data.load_jsonl_prompts(f, tokenizer)

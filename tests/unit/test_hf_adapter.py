@@ -1,0 +1,77 @@
+"""The adapter's paths are exact where they must be, on tiny models of every supported family."""
+
+import pytest
+import torch
+
+from shared.model.hf_adapter import ModelAdapter, UnsupportedModel, clone_cache
+from shared.model.tiny import FAMILIES, perturbed, tiny_model
+
+IDS = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(params=FAMILIES)
+def adapter(request):
+    return ModelAdapter(tiny_model(request.param))
+
+
+def test_rebuilt_own_cache_decodes_identically(adapter):
+    prompt = IDS[0].tolist()
+    state = adapter.prefill(prompt[:-1])
+    rebuilt = adapter.build_cache(state.keys, state.values)
+    native = adapter.own_cache(prompt[:-1])
+    for layer in range(adapter.n_layers):
+        kr, vr = ModelAdapter.cache_kv(rebuilt, layer)
+        kn, vn = ModelAdapter.cache_kv(native, layer)
+        torch.testing.assert_close(kr, kn, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vr, vn, atol=0, rtol=0)
+    got = adapter.greedy(rebuilt, prompt[-1], 12)
+    ref = adapter.model.generate(IDS, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, IDS.shape[1]:]
+    assert got == ref.tolist(), f"expected {ref.tolist()}, got {got}"
+
+
+def test_regenerated_layer_equals_cached_kv(adapter):
+    layers = list(range(adapter.n_layers))
+    state = adapter.prefill(IDS, hidden_layers=layers)
+    for layer in layers:
+        k, v = adapter.regenerate_kv(layer, state.hidden[layer])
+        torch.testing.assert_close(k, state.keys[layer], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v, state.values[layer], atol=1e-6, rtol=1e-6)
+
+
+def test_run_layers_reproduces_prefill(adapter):
+    n = adapter.n_layers
+    state = adapter.prefill(IDS, residual_layers=[1, n - 1])
+    out, keys, values = adapter.run_layers(state.residual[1], 1, n - 1)
+    torch.testing.assert_close(out, state.residual[n - 1], atol=1e-5, rtol=1e-5)
+    for j, layer in enumerate(range(1, n - 1)):
+        torch.testing.assert_close(keys[j], state.keys[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[j], state.values[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_score_matches_full_forward(adapter):
+    prompt, cont = IDS[0, :30].tolist(), IDS[0, 30:].tolist()
+    state = adapter.prefill(prompt[:-1])
+    lp = adapter.score(adapter.build_cache(state.keys, state.values), prompt[-1], cont)
+    full = torch.log_softmax(adapter.model(input_ids=IDS).logits[0, 29:].float(), -1)
+    torch.testing.assert_close(lp, full, atol=1e-4, rtol=1e-4)
+
+
+def test_cross_model_cache_differs_but_has_right_shape():
+    a, b = ModelAdapter(tiny_model("llama")), ModelAdapter(perturbed(tiny_model("llama"), 0.2))
+    sa, sb = a.prefill(IDS), b.prefill(IDS)
+    assert sa.keys[0].shape == sb.keys[0].shape == (1, 2, 37, 16)
+    assert not torch.allclose(sa.values[-1], sb.values[-1])
+
+
+def test_clone_cache_is_independent(adapter):
+    c = adapter.own_cache(IDS)
+    d = clone_cache(c, adapter.config)
+    adapter.forward_with_cache(d, [1])
+    assert c.get_seq_length() == 37 and d.get_seq_length() == 38
+
+
+def test_unsupported_family_refused():
+    m = tiny_model("mistral")
+    m.config.sliding_window = 16
+    with pytest.raises(UnsupportedModel, match="sliding"):
+        ModelAdapter(m)
