@@ -1,0 +1,150 @@
+"""Consumer engine: validates a stream's header, reconstructs each layer as it arrives, decodes.
+
+Torch work runs on one worker thread (``run``), which keeps the event loop free and device use
+serial."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from consumer_service.settings import ConsumerSettings
+from shared.codecs import CODECS, CodecContext, DecodeJob, DecodeSession, make_method
+from shared.errors import FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
+from shared.generation import Generator, Sampling
+from shared.model.fingerprint import weights_fingerprint
+from shared.model.hf_adapter import ModelAdapter
+from shared.rpc import scd_pb2 as pb
+from shared.rpc.wire import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """One in-flight transfer on the consumer."""
+
+    header: pb.Header
+    session: DecodeSession
+    sampling: Sampling
+    t_first_frame: float = field(default_factory=time.perf_counter)
+    reconstruct_ms: float = 0.0
+
+
+class ConsumerEngine:
+    def __init__(self, settings: ConsumerSettings, model, tokenizer=None):
+        for m in settings.methods:
+            if m not in CODECS:
+                raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted(CODECS)}")
+        self.settings = settings
+        self.adapter = ModelAdapter(model)
+        self.tokenizer = tokenizer
+        self.fingerprint = weights_fingerprint(model)
+        self.ctx = CodecContext(self.adapter)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"consumer-{settings.name}")
+        self.stop_ids = frozenset(self._stop_ids())
+        self.prefix_ids: list[int] = []
+        self.prefix_keys: tuple[torch.Tensor, ...] = ()
+        self.prefix_values: tuple[torch.Tensor, ...] = ()
+        if tokenizer is not None:
+            self._prepare_native_prefix()
+
+    def _stop_ids(self) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        ids = [self.tokenizer.eos_token_id]
+        if "<|im_end|>" in self.tokenizer.get_vocab():
+            ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        return [i for i in ids if i is not None]
+
+    def _prepare_native_prefix(self) -> None:
+        """The consumer's own K/V for the fixed chat-template prefix, computed once."""
+        from shared.data import template_parts
+
+        head, _ = template_parts(self.tokenizer)
+        self.prefix_ids = self.tokenizer(head, add_special_tokens=False)["input_ids"]
+        state = self.adapter.prefill(self.prefix_ids)
+        self.prefix_keys, self.prefix_values = state.keys, state.values
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ header
+    def open(self, h: pb.Header) -> Request:
+        s = self.settings
+        if h.protocol_version != PROTOCOL_VERSION:
+            raise PreconditionFailed(
+                f"protocol version {h.protocol_version} from the producer; this consumer speaks {PROTOCOL_VERSION}: "
+                "update the older side")
+        if h.consumer and h.consumer != s.name:
+            raise InvalidRequest(f"stream addressed to consumer {h.consumer!r}; this is {s.name!r}")
+        if h.method not in s.methods:
+            raise UnknownMethod(f"method {h.method!r} is not enabled on consumer {s.name!r}; enabled: {list(s.methods)}")
+        cls = CODECS[h.method]
+        if h.method_version != cls.version:
+            raise PreconditionFailed(
+                f"method {h.method!r} version {h.method_version} from the producer; this consumer has version "
+                f"{cls.version}: update the older side")
+        producer_fp = h.pair_fingerprint.split(":")[0]
+        if s.producer_fingerprint and producer_fp != s.producer_fingerprint:
+            raise FingerprintMismatch(
+                f"stream made by producer weights {producer_fp!r}; consumer {s.name!r} accepts "
+                f"{s.producer_fingerprint!r}: point the producer at the right model or recalibrate the pair")
+        n_prompt = len(h.prompt_ids)
+        if not 2 <= n_prompt <= s.max_prompt_tokens:
+            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {s.max_prompt_tokens}")
+        vocab = self.adapter.config.vocab_size
+        if max(h.prompt_ids) >= vocab:
+            raise InvalidRequest(f"prompt token id {max(h.prompt_ids)} is outside the vocabulary (size {vocab})")
+        if h.n_tokens != n_prompt - 1:
+            raise InvalidPayload(f"header n_tokens={h.n_tokens}; expected prompt length - 1 = {n_prompt - 1}")
+        if h.n_layers != self.adapter.n_layers:
+            raise PreconditionFailed(f"stream has {h.n_layers} layers; the consumer model has {self.adapter.n_layers}")
+        start = 0
+        if h.native_prefix and h.prefix_len:
+            p = h.prefix_len
+            if p > len(self.prefix_ids) or list(h.prompt_ids[:p]) != self.prefix_ids[:p] or p >= n_prompt:
+                raise InvalidRequest("native_prefix is set but the prompt does not start with this consumer's "
+                                     "chat-template prefix; send native_prefix=false")
+            start = p
+        sampling = self.sampling(h.sampling)
+        method = make_method(h.method, self.ctx, dict(h.params))
+        job = DecodeJob(
+            prompt_ids=list(h.prompt_ids), n_tokens=h.n_tokens, start=start,
+            prefix_keys=tuple(k[:, :, :start] for k in self.prefix_keys) if start else (),
+            prefix_values=tuple(v[:, :, :start] for v in self.prefix_values) if start else (),
+            params=dict(h.params),
+        )
+        return Request(h, method.start(job), sampling)
+
+    def sampling(self, sp: pb.SamplingParams) -> Sampling:
+        s = self.settings
+        n = sp.max_new_tokens or s.default_max_new_tokens
+        if n > s.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens={n}; this consumer allows at most {s.max_new_tokens}")
+        try:
+            return Sampling(max_new_tokens=n, temperature=sp.temperature, top_p=sp.top_p or 1.0,
+                            stop=tuple(sp.stop), seed=sp.seed)
+        except ValueError as e:
+            raise InvalidRequest(f"invalid sampling settings: {e}".replace("\n", "; ")) from None
+
+    # ------------------------------------------------------------------ decode
+    def add_layer(self, req: Request, layer: int, tensors) -> None:
+        t0 = time.perf_counter()
+        req.session.add_layer(layer, tensors)
+        req.reconstruct_ms += (time.perf_counter() - t0) * 1e3
+
+    def generator(self, req: Request) -> Generator:
+        t0 = time.perf_counter()
+        cache = req.session.finish()
+        req.reconstruct_ms += (time.perf_counter() - t0) * 1e3
+        return Generator(self.adapter, cache, int(req.header.prompt_ids[-1]), req.sampling, self.tokenizer,
+                         self.stop_ids)

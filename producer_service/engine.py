@@ -1,0 +1,106 @@
+"""Producer engine: tokenizes, prefills the base model, encodes each layer for the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from producer_service.settings import ProducerSettings
+from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
+from shared.errors import InvalidRequest, NotFound, UnknownMethod
+from shared.model.fingerprint import weights_fingerprint
+from shared.model.hf_adapter import ModelAdapter, PrefillState
+from shared.rpc import scd_pb2 as pb
+from shared.rpc.wire import PROTOCOL_VERSION
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    prefix_len: int
+    method: TransferMethod
+    address: str
+
+
+class ProducerEngine:
+    def __init__(self, settings: ProducerSettings, model, tokenizer=None):
+        for m in settings.methods:
+            if m not in CODECS:
+                raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted(CODECS)}")
+        self.settings = settings
+        self.adapter = ModelAdapter(model)
+        self.tokenizer = tokenizer
+        self.fingerprint = weights_fingerprint(model)
+        self.ctx = CodecContext(self.adapter)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="producer")
+        self.prefix_ids: list[int] = []
+        if tokenizer is not None:
+            from shared.data import template_parts
+
+            self.prefix_ids = tokenizer(template_parts(tokenizer)[0], add_special_tokens=False)["input_ids"]
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def prepare(self, req: pb.GenerateRequest) -> Prepared:
+        s = self.settings
+        if req.consumer not in s.consumers:
+            raise NotFound(f"unknown consumer {req.consumer!r}; this producer knows {sorted(s.consumers)}")
+        kind = req.method or s.default_method
+        if kind not in s.methods:
+            raise UnknownMethod(f"unknown transfer method {kind!r}; this producer offers {list(s.methods)}")
+        method = make_method(kind, self.ctx, dict(req.method_params))
+        which = req.WhichOneof("prompt")
+        if which == "text":
+            if not req.text.strip():
+                raise InvalidRequest("prompt text is empty; send a non-empty prompt")
+            if len(req.text) > s.max_prompt_chars:
+                raise InvalidRequest(f"prompt has {len(req.text)} characters; the limit is {s.max_prompt_chars}")
+            if self.tokenizer is None:
+                raise InvalidRequest("this producer has no tokenizer; send token_ids")
+            from shared.data import chat_prompt_ids
+
+            ids, _ = chat_prompt_ids(self.tokenizer, req.text)
+        elif which == "token_ids":
+            ids = list(req.token_ids.ids)
+        else:
+            raise InvalidRequest("no prompt: set text or token_ids")
+        if len(ids) < 2:
+            raise InvalidRequest(f"prompt has {len(ids)} token(s); at least 2 are needed")
+        if len(ids) > s.max_prompt_tokens:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {s.max_prompt_tokens}")
+        vocab = self.adapter.config.vocab_size
+        if max(ids) >= vocab:
+            raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary (size {vocab})")
+        prefix = 0
+        if req.native_prefix and self.prefix_ids and ids[: len(self.prefix_ids)] == self.prefix_ids:
+            prefix = len(self.prefix_ids)
+        return Prepared(ids, prefix, method, s.consumers[req.consumer].address)
+
+    def header(self, p: Prepared, req: pb.GenerateRequest, request_id: str, deadline: float, t0: float) -> pb.Header:
+        return pb.Header(
+            request_id=request_id, method=p.method.kind, method_version=p.method.version,
+            protocol_version=PROTOCOL_VERSION,
+            pair_fingerprint=f"{self.fingerprint}:{p.method.kind}.v{p.method.version}:{p.method.cfg.fingerprint()}",
+            n_layers=self.adapter.n_layers, n_tokens=len(p.prompt_ids) - 1, dtype=getattr(p.method.cfg, "dtype", ""),
+            prompt_ids=p.prompt_ids, params={k: str(v) for k, v in p.method.cfg.model_dump(exclude={"kind"}).items()},
+            sampling=req.sampling, native_prefix=bool(p.prefix_len), prefix_len=p.prefix_len, consumer=req.consumer,
+            deadline_unix=deadline, t_request_unix=t0,
+        )
+
+    def prefill(self, p: Prepared) -> PrefillState:
+        if not p.method.transfers_layers:
+            return None
+        return self.adapter.prefill(p.prompt_ids[:-1], hidden_layers=p.method.hidden_layers(),
+                                    residual_layers=p.method.residual_layers())
+
+    @staticmethod
+    def encode_layer(p: Prepared, state: PrefillState, layer: int):
+        t0 = time.perf_counter()
+        out = p.method.encode_layer(state, layer, p.prefix_len)
+        return out, (time.perf_counter() - t0) * 1e3

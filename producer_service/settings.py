@@ -1,0 +1,35 @@
+"""Producer settings: file + environment (``PRODUCER__...``) + ``--set`` flags."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from shared.config import ModelSettings, ServerSettings, ServiceSettings, _Strict
+
+
+class ConsumerEndpoint(_Strict):
+    address: str = Field(..., min_length=3)
+    """host:port of the consumer's gRPC server."""
+
+
+class ProducerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="PRODUCER__", env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    model: ModelSettings
+    server: ServerSettings = ServerSettings(port=50051)
+    consumers: dict[str, ConsumerEndpoint] = {}
+    """Consumers this producer can serve, by name."""
+    default_method: str = "raw"
+    methods: tuple[str, ...] = ("oracle", "raw")
+    """Transfer methods this producer offers."""
+    max_prompt_tokens: int = Field(4096, ge=2)
+    max_prompt_chars: int = Field(64_000, ge=1)
+    default_deadline_s: float = Field(120.0, gt=0)
+    """Deadline of a request whose client set none."""
+
+    @model_validator(mode="after")
+    def _default_enabled(self):
+        if self.default_method not in self.methods:
+            raise ValueError(f"default_method {self.default_method!r} must be one of methods {list(self.methods)}")
+        return self

@@ -1,0 +1,59 @@
+"""A small synchronous client of the producer's Generate API (used by the CLI, demo and tests)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from shared.rpc import scd_pb2 as pb
+from shared.rpc import scd_pb2_grpc as pbg
+from shared.rpc.server import OPTIONS
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    timings: pb.Timings | None = None
+    client_ttft_ms: float = 0.0
+
+
+def request(prompt: str | list[int], consumer: str, method: str = "", max_new_tokens: int = 32,
+            temperature: float = 0.0, top_p: float = 1.0, stop: tuple[str, ...] = (), seed: int = 0,
+            native_prefix: bool = True, method_params: dict[str, str] | None = None) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        consumer=consumer, method=method, native_prefix=native_prefix, method_params=method_params or {},
+        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   stop=list(stop), seed=seed),
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def stream(address: str, req: pb.GenerateRequest, timeout: float = 120.0) -> Iterator[pb.TokenEvent]:
+    with grpc.insecure_channel(address, options=OPTIONS) as ch:
+        yield from pbg.ProducerStub(ch).Generate(req, timeout=timeout)
+
+
+def generate(address: str, req: pb.GenerateRequest, timeout: float = 120.0, on_event=None) -> Result:
+    res = Result()
+    t0 = time.perf_counter()
+    for ev in stream(address, req, timeout):
+        if not res.token_ids:
+            res.client_ttft_ms = (time.perf_counter() - t0) * 1e3
+        res.token_ids.append(ev.token_id)
+        res.text += ev.text
+        if ev.finish_reason:
+            res.finish_reason = ev.finish_reason
+        if ev.HasField("timings"):
+            res.timings = ev.timings
+        if on_event:
+            on_event(ev)
+    return res

@@ -1,0 +1,44 @@
+"""The registry of transfer methods. A new method is one module, one line here, one union member."""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+from pydantic import Field, TypeAdapter
+
+from shared.codecs.base import CodecContext, DecodeJob, DecodeSession, MethodConfig, TransferMethod
+from shared.codecs.oracle import Oracle
+from shared.codecs.raw import RawKV
+from shared.errors import InvalidRequest, UnknownMethod
+
+
+def _registry(*classes: type[TransferMethod]) -> dict[str, type[TransferMethod]]:
+    out: dict[str, type[TransferMethod]] = {}
+    for cls in classes:
+        if cls.kind in out:
+            raise ValueError(f"duplicate transfer method kind {cls.kind!r}")
+        out[cls.kind] = cls
+    return out
+
+
+CODECS = _registry(Oracle, RawKV)
+CodecConfig = Annotated[Union[Oracle.Config, RawKV.Config], Field(discriminator="kind")]
+_ADAPTER = TypeAdapter(CodecConfig)
+
+
+def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConfig:
+    """Validate a method's settings from string parameters (as they arrive on the wire)."""
+    if kind not in CODECS:
+        raise UnknownMethod(f"unknown transfer method {kind!r}; expected one of {sorted(CODECS)}")
+    try:
+        return CODECS[kind].Config.model_validate({"kind": kind, **(params or {})})
+    except Exception as e:  # pydantic ValidationError: say which field and what is allowed
+        raise InvalidRequest(f"invalid settings for method {kind!r}: {e}".replace("\n", "; ")) from None
+
+
+def make_method(kind: str, ctx: CodecContext, params: dict[str, str] | None = None) -> TransferMethod:
+    return CODECS[kind](method_config(kind, params), ctx)
+
+
+__all__ = ["CODECS", "CodecConfig", "CodecContext", "DecodeJob", "DecodeSession", "MethodConfig",
+           "TransferMethod", "make_method", "method_config"]

@@ -1,0 +1,130 @@
+"""The transfer-method plugin interface.
+
+A method turns the producer's prefill into per-layer named tensors (``encode_layer``, producer
+side) and turns them back into the consumer's native pre-RoPE K/V for that layer
+(``DecodeSession.add_layer``, consumer side), one layer at a time so that reconstruction overlaps
+the transfer. Methods never see protobuf: ``shared/rpc/wire.py`` moves their tensors.
+
+Lifecycle on the consumer: ``session = method.start(job)``, then ``add_layer(l, tensors)`` for
+every layer in order as its frames arrive, then ``finish()`` returns the cache to decode from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from shared.errors import InvalidPayload
+from shared.model.hf_adapter import ModelAdapter, PrefillState
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MethodConfig(_Strict):
+    """Base of every method's settings."""
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class CodecContext:
+    """What a method may use on its side: the local model, and the pair's artifacts if loaded."""
+
+    model: ModelAdapter
+    artifacts: object | None = None
+
+
+@dataclass
+class DecodeJob:
+    """One request as the consumer sees it."""
+
+    prompt_ids: list[int]  # the whole prompt
+    n_tokens: int  # positions whose cache is needed: len(prompt_ids) - 1
+    start: int  # positions [0, start) come from the consumer's own native prefix
+    prefix_keys: tuple[torch.Tensor, ...] = ()  # per layer [1, H, start, D], pre-RoPE
+    prefix_values: tuple[torch.Tensor, ...] = ()
+    params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_transfer(self) -> int:
+        return self.n_tokens - self.start
+
+
+class DecodeSession:
+    """Collects per-layer K/V and returns the cache. Subclasses override ``decode_layer``."""
+
+    def __init__(self, method: "TransferMethod", job: DecodeJob):
+        self.method, self.job, self.model = method, job, method.ctx.model
+        self._rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def expected_layer(self) -> int:
+        return len(self._rotated)
+
+    def add_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        if layer != len(self._rotated):
+            raise InvalidPayload(f"layer {layer} arrived out of order; expected layer {len(self._rotated)}")
+        k, v = self.decode_layer(layer, tensors)
+        self._check(layer, k, v)
+        if self.job.start:
+            k = torch.cat([self.job.prefix_keys[layer].to(k), k], dim=2)
+            v = torch.cat([self.job.prefix_values[layer].to(v), v], dim=2)
+        self._rotated.append((self.model.layer_cache_entry(k), v.to(self.model.device, self.model.dtype)))
+
+    def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        want = (1, self.model.n_kv_heads, self.job.n_transfer, self.model.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want:
+                raise InvalidPayload(f"layer {layer} {name} decodes to shape {tuple(t.shape)}; expected {want}")
+
+    def decode_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def finish(self):
+        """The consumer's cache for positions [0, n_tokens)."""
+        if len(self._rotated) != self.model.n_layers:
+            raise InvalidPayload(f"stream ended after {len(self._rotated)} of {self.model.n_layers} layers")
+        return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._rotated)
+
+
+class TransferMethod(ABC):
+    kind: ClassVar[str]
+    version: ClassVar[int] = 1
+    lossless: ClassVar[bool] = False
+    transfers_layers: ClassVar[bool] = True  # False: only token ids cross (the Oracle)
+    Config: ClassVar[type[MethodConfig]]
+    Session: ClassVar[type[DecodeSession]] = DecodeSession
+
+    def __init__(self, cfg: MethodConfig, ctx: CodecContext):
+        self.cfg, self.ctx = cfg, ctx
+
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Layers whose normalized pre-attention input the producer's prefill must capture."""
+        return ()
+
+    def residual_layers(self) -> tuple[int, ...]:
+        """Layers whose residual-stream input the producer's prefill must capture."""
+        return ()
+
+    @abstractmethod
+    def encode_layer(self, state: PrefillState, layer: int, start: int) -> dict[str, torch.Tensor]:
+        """Producer: the named tensors that carry ``layer`` for positions [start, n_tokens)."""
+
+    def start(self, job: DecodeJob) -> DecodeSession:
+        return self.Session(self, job)
+
+    def error_bound(self) -> float:
+        """Declared bound on the relative error of reconstructed K/V against the producer's own
+        (same model on both sides); 0 for lossless methods."""
+        return 0.0

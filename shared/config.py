@@ -1,0 +1,100 @@
+"""Settings shared by both services: YAML file, then environment, then ``--set a.b=v`` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from shared.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Strict):
+    path: str
+    """A prepared Hugging Face folder (``from_pretrained``), e.g. $SCD_HOME/models/smollm2-135m-instruct."""
+    device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Use float32 on CPU; float16/bfloat16 on GPUs."""
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+class ServerSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port (printed at start-up)."""
+    grace_s: float = Field(5.0, ge=0)
+    """Seconds in-flight requests get to finish on SIGTERM."""
+
+
+class ServiceSettings(BaseSettings):
+    """Base of ProducerSettings/ConsumerSettings: file < environment < flags."""
+
+    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", frozen=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+    @classmethod
+    def load(cls, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), **kw: Any):
+        """Settings from an optional YAML file, the environment (``PREFIX__A__B=v``) and overrides
+        ``a.b=v`` (highest priority). Raises ConfigError with every problem listed."""
+        import os
+
+        data: dict[str, Any] = {}
+        if file:
+            try:
+                data = yaml.safe_load(Path(file).read_text()) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise ConfigError(f"cannot read settings file {file}: {e}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"settings file {file} must hold a mapping at the top level")
+        prefix = (cls.model_config.get("env_prefix") or "").lower()
+        env = {k for k in os.environ if k.lower().startswith(prefix)} if prefix else set()
+        for key in env:  # environment beats the file: drop file keys the environment sets
+            path = key[len(prefix):].lower().split("__")
+            _pop(data, path)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like a.b=value")
+            key, value = item.split("=", 1)
+            _set(data, key.split("."), yaml.safe_load(value) if value else value)
+        _deep_update(data, kw)
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+            raise ConfigError(f"invalid {cls.__name__}:\n" + "\n".join(lines)) from None
+
+
+def _pop(d: dict, path: list[str]) -> None:
+    for p in path[:-1]:
+        d = d.get(p, {}) if isinstance(d.get(p), dict) else {}
+    d.pop(path[-1], None)
+
+
+def _set(d: dict, path: list[str], value: Any) -> None:
+    for p in path[:-1]:
+        d = d.setdefault(p, {})
+    d[path[-1]] = value
+
+
+def _deep_update(d: dict, u: dict) -> None:
+    for k, v in u.items():
+        if isinstance(v, dict) and isinstance(d.get(k), dict):
+            _deep_update(d[k], v)
+        else:
+            d[k] = v

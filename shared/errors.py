@@ -1,0 +1,54 @@
+"""Domain exceptions. Each carries what the caller must fix; ``shared/rpc/errors.py`` maps them
+to gRPC status codes (and the HTTP front to HTTP codes)."""
+
+
+class SCDError(Exception):
+    """Base of every domain error."""
+
+
+class InvalidRequest(SCDError, ValueError):
+    """The request itself is malformed (empty prompt, bad sampling values...)."""
+
+
+class NotFound(SCDError, LookupError):
+    """A named thing (consumer, method, artifact) does not exist."""
+
+
+class UnknownMethod(NotFound):
+    """A transfer method that is not registered (or not enabled on this service)."""
+
+
+class PreconditionFailed(SCDError):
+    """Both sides are fine on their own but do not match (fingerprint, protocol or method version)."""
+
+
+class FingerprintMismatch(PreconditionFailed):
+    """The stream was produced by other weights or settings than the consumer was calibrated for."""
+
+
+class DataLoss(SCDError):
+    """A frame's bytes are corrupt (checksum mismatch, undecodable payload)."""
+
+
+class InvalidPayload(SCDError, ValueError):
+    """A frame stream is well formed bytes but violates the protocol (order, shape, dtype, size)."""
+
+
+class ResourceExhausted(SCDError):
+    """Admission control: the service is at capacity."""
+
+
+class NotReady(SCDError):
+    """The service (or its peer) is not ready to serve."""
+
+
+class ConfigError(SCDError, ValueError):
+    """Settings that cannot work (raised at start-up, never per request)."""
+
+
+class PeerError(SCDError):
+    """The other service answered with an error status; relayed with its code and message."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

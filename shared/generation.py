@@ -1,0 +1,100 @@
+"""Token-by-token generation from a prepared cache: sampling, stop conditions, text deltas.
+
+Runs one step per call so that a service can interleave requests and stream each token."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.model.hf_adapter import ModelAdapter
+
+
+class Sampling(BaseModel):
+    """Validated sampling settings (what a request asks for)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    """0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: tuple[str, ...] = ()
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _finite(self):
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise ValueError("temperature and top_p must be finite numbers")
+        if any(not s for s in self.stop) or len(self.stop) > 16:
+            raise ValueError("stop strings must be non-empty, at most 16 of them")
+        return self
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    if s.temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sp, idx = probs.sort(descending=True)
+        keep = sp.cumsum(0) - sp < s.top_p
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+@dataclass
+class Step:
+    token_id: int
+    text: str  # text delta
+    finish_reason: str  # "", "stop", "length"
+
+
+@dataclass
+class Generator:
+    """Incremental decoding over ``cache``; call ``step()`` until ``finished``."""
+
+    model: ModelAdapter
+    cache: object
+    next_id: int  # the last prompt token (its K/V is not in the cache)
+    sampling: Sampling
+    tokenizer: object | None
+    stop_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+    _emitted: str = ""
+    _gen: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.sampling.temperature > 0:
+            self._gen = torch.Generator().manual_seed(self.sampling.seed)
+
+    def _text(self) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def step(self) -> Step:
+        logits = self.model.forward_with_cache(self.cache, [self.next_id])[0, -1]
+        tok = sample(logits, self.sampling, self._gen)
+        self.next_id = tok
+        self.tokens.append(tok)
+        finish = ""
+        if tok in self.stop_ids:
+            finish = "stop"
+            self.tokens.pop()
+        text = self._text()
+        for s in self.sampling.stop:
+            if s in text:
+                text, finish = text[: text.index(s)], "stop"
+        if not finish and len(self.tokens) >= self.sampling.max_new_tokens:
+            finish = "length"
+        if not finish and text.endswith("\ufffd"):
+            delta = ""  # an incomplete UTF-8 sequence: wait for the next token
+        else:
+            delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
+            self._emitted = text if delta or text.startswith(self._emitted) else self._emitted
+        self.finished = bool(finish)
+        return Step(tok, delta, finish)

@@ -1,0 +1,68 @@
+"""One mapper from domain exceptions to gRPC status codes, for coroutine and async-generator
+handlers. Unexpected exceptions become INTERNAL with a generic message (and a logged traceback)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+
+from shared import errors as E
+
+log = logging.getLogger(__name__)
+
+CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (E.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (E.InvalidPayload, grpc.StatusCode.INVALID_ARGUMENT),
+    (E.NotFound, grpc.StatusCode.NOT_FOUND),
+    (E.PreconditionFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.DataLoss, grpc.StatusCode.DATA_LOSS),
+    (E.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.NotReady, grpc.StatusCode.UNAVAILABLE),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, E.PeerError):
+        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), str(exc)
+    for cls, code in CODES:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal error; see the service log"
+
+
+def grpc_errors(fn):
+    """Decorator: map domain exceptions raised by a servicer method to ``context.abort``."""
+
+    async def _abort(context, exc):
+        code, msg = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("unhandled error in %s", fn.__name__, exc_info=exc)
+        await context.abort(code, msg)
+
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def gen_wrapper(self, request, context):
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status
+                await _abort(context, exc)
+
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    return wrapper

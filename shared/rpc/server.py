@@ -1,0 +1,58 @@
+"""A grpc.aio server with explicit message limits, standard health checking and graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.rpc.wire import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class GRPCServer:
+    """``start()`` binds and serves (returns the port); ``stop(grace)`` drains and stops."""
+
+    def __init__(self, add_servicers, host: str, port: int, service_names: list[str]):
+        self._add, self.host, self.port, self._names = add_servicers, host, port, service_names
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+
+    async def start(self) -> int:
+        # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
+        self.server = grpc.aio.server(options=OPTIONS + [("grpc.so_reuseport", 0)])
+        self._add(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        try:
+            self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {self.host}:{self.port} ({e}); is another server using it?") from None
+        await self.server.start()
+        for name in ["", *self._names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float) -> None:
+        if self.server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def serve_until_signal(self, grace: float) -> None:
+        """Block until SIGTERM/SIGINT, then stop gracefully."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received; stopping with %.1f s grace", grace)
+        await self.stop(grace)

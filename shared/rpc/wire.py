@@ -1,0 +1,221 @@
+"""Named tensors <-> ``KVFrame`` messages: the only code that converts payloads to protobuf.
+
+A request's stream is: one ``Header``, then per layer in increasing order the chunks of that
+layer's tensors (each tensor's bytes split into chunks of at most ``CHUNK_BYTES`` before
+compression, lz4-frame compressed, crc32c of the uncompressed bytes), the last chunk of a layer
+flagged ``layer_done``, then one ``Trailer`` with totals and a checksum over the chunk checksums.
+
+``FrameDecoder`` validates everything before it allocates: sizes are bounded, offsets must be
+contiguous, checksums must match; a violation raises ``InvalidPayload`` or ``DataLoss`` and no
+partial tensor ever escapes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import google_crc32c
+import lz4.frame
+import torch
+
+from shared.errors import DataLoss, InvalidPayload
+from shared.rpc import scd_pb2 as pb
+
+PROTOCOL_VERSION = 1
+CHUNK_BYTES = 1 << 20  # uncompressed bytes per chunk; the compressed message stays under ~1 MiB
+MAX_MESSAGE_BYTES = 4 << 20  # gRPC max send/receive message length set on both sides
+
+DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def crc32c(data: bytes) -> int:
+    return google_crc32c.value(data)
+
+
+def chunk_crc(c: pb.TensorChunk, raw: bytes) -> int:
+    """crc32c over the chunk's metadata and its uncompressed bytes: a flipped name, layer, shape
+    or offset is caught like a flipped data byte."""
+    meta = f"{c.name}|{c.layer}|{c.dtype}|{list(c.shape)}|{c.offset}|{c.raw_size}|{c.last}|{c.layer_done}"
+    return google_crc32c.extend(crc32c(meta.encode()), raw)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_chunks(
+    name: str, layer: int, t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[pb.TensorChunk, bytes]]:
+    """(chunk without its checksum, its uncompressed bytes) for each piece of ``t``."""
+    if t.dtype not in DTYPE_NAMES:
+        raise InvalidPayload(f"tensor {name!r} has dtype {t.dtype}; expected one of {sorted(DTYPES)}")
+    raw = tensor_bytes(t)
+    n = max(1, math.ceil(len(raw) / chunk_bytes))
+    for i in range(n):
+        part = raw[i * chunk_bytes : (i + 1) * chunk_bytes]
+        yield pb.TensorChunk(
+            name=name, layer=layer, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=i * chunk_bytes,
+            raw_size=len(part), data=lz4.frame.compress(part), last=i == n - 1,
+        ), part
+
+
+def layer_frames(layer: int, tensors: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> list[pb.KVFrame]:
+    """Frames of one layer; the last one is flagged ``layer_done``."""
+    pieces = [p for name, t in tensors.items() for p in tensor_chunks(name, layer, t, chunk_bytes)]
+    if not pieces:
+        raise InvalidPayload(f"layer {layer} has no tensors")
+    pieces[-1][0].layer_done = True
+    for c, raw in pieces:  # the checksum covers the final metadata, layer_done included
+        c.crc32c = chunk_crc(c, raw)
+    return [pb.KVFrame(chunk=c) for c, _ in pieces]
+
+
+@dataclass
+class StreamTotals:
+    """Running totals on the sending side, for the trailer."""
+
+    n_chunks: int = 0
+    payload_bytes: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    _crcs: bytearray = field(default_factory=bytearray)
+
+    def add(self, frame: pb.KVFrame) -> pb.KVFrame:
+        self.wire_bytes += frame.ByteSize()
+        if frame.HasField("chunk"):
+            c = frame.chunk
+            self.n_chunks += 1
+            self.payload_bytes += len(c.data)
+            self.raw_bytes += c.raw_size
+            self._crcs += struct.pack("<I", c.crc32c)
+        return frame
+
+    def trailer(self, encode_ms: float = 0.0, prefill_ms: float = 0.0) -> pb.KVFrame:
+        return pb.KVFrame(trailer=pb.Trailer(
+            n_chunks=self.n_chunks, payload_bytes=self.payload_bytes, raw_bytes=self.raw_bytes,
+            crc32c=crc32c(bytes(self._crcs)), encode_ms=encode_ms, prefill_ms=prefill_ms,
+        ))
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tensor_bytes: int = 256 << 20
+    max_chunk_bytes: int = CHUNK_BYTES
+    max_layers: int = 1024
+    max_tensors_per_layer: int = 64
+    max_ndim: int = 6
+
+
+class _Partial:
+    __slots__ = ("dtype", "shape", "nbytes", "buf", "filled")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int):
+        self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
+        self.buf = bytearray(nbytes)
+        self.filled = 0
+
+
+class FrameDecoder:
+    """Consumer-side state machine over one request's frames.
+
+    ``feed(frame)`` returns ``("header", Header)``, ``("layer", (index, tensors))`` when a layer is
+    complete, ``("trailer", Trailer)`` at the end, or ``None`` for a chunk inside a layer."""
+
+    def __init__(self, limits: Limits = Limits(), n_layers: int | None = None):
+        self.limits, self.n_layers = limits, n_layers
+        self.header: pb.Header | None = None
+        self.layer = 0  # the layer whose chunks are arriving
+        self.done = False
+        self._tensors: dict[str, _Partial] = {}
+        self._totals = StreamTotals()
+
+    def feed(self, frame: pb.KVFrame):
+        kind = frame.WhichOneof("body")
+        if self.done:
+            raise InvalidPayload("frame received after the trailer")
+        if kind is None:
+            raise InvalidPayload("empty frame: expected a header, chunk or trailer")
+        if kind == "header":
+            if self.header is not None:
+                raise InvalidPayload("a second header arrived; one request carries one header")
+            self.header = frame.header
+            if self.header.n_layers > self.limits.max_layers:
+                raise InvalidPayload(f"header declares {self.header.n_layers} layers; at most {self.limits.max_layers}")
+            return "header", frame.header
+        if self.header is None:
+            raise InvalidPayload(f"a {kind} arrived before the header; the header must come first")
+        if kind == "trailer":
+            return "trailer", self._trailer(frame.trailer)
+        self._totals.add(frame)
+        return self._chunk(frame.chunk)
+
+    def _chunk(self, c: pb.TensorChunk):
+        lim = self.limits
+        n_layers = self.n_layers if self.n_layers is not None else self.header.n_layers
+        if c.layer != self.layer:
+            raise InvalidPayload(f"chunk for layer {c.layer} arrived while layer {self.layer} was open; "
+                                 "layers must arrive in order, each complete")
+        if c.layer >= n_layers:
+            raise InvalidPayload(f"chunk for layer {c.layer}; the model has {n_layers} layers")
+        if c.dtype not in DTYPES:
+            raise InvalidPayload(f"tensor {c.name!r} has dtype {c.dtype!r}; expected one of {sorted(DTYPES)}")
+        if not c.name or len(c.name) > 64:
+            raise InvalidPayload("tensor name must be 1 to 64 characters")
+        if not 0 < len(c.shape) <= lim.max_ndim or any(d < 0 for d in c.shape):
+            raise InvalidPayload(f"tensor {c.name!r} has invalid shape {list(c.shape)}")
+        dtype = DTYPES[c.dtype]
+        nbytes = math.prod(c.shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > lim.max_tensor_bytes:
+            raise InvalidPayload(f"tensor {c.name!r} declares {nbytes} bytes; the limit is {lim.max_tensor_bytes}")
+        if c.raw_size > lim.max_chunk_bytes:
+            raise InvalidPayload(f"chunk of {c.raw_size} bytes exceeds the {lim.max_chunk_bytes}-byte chunk limit")
+        part = self._tensors.get(c.name)
+        if part is None:
+            if len(self._tensors) >= lim.max_tensors_per_layer:
+                raise InvalidPayload(f"layer {c.layer} carries more than {lim.max_tensors_per_layer} tensors")
+            part = self._tensors[c.name] = _Partial(dtype, tuple(c.shape), nbytes)
+        elif part.dtype != dtype or part.shape != tuple(c.shape):
+            raise InvalidPayload(f"tensor {c.name!r} changed dtype or shape between chunks")
+        if c.offset != part.filled:
+            raise InvalidPayload(f"tensor {c.name!r} chunk at offset {c.offset}; expected offset {part.filled}")
+        if c.offset + c.raw_size > part.nbytes:
+            raise InvalidPayload(f"tensor {c.name!r} chunk overruns its declared size {part.nbytes}")
+        try:
+            raw = lz4.frame.LZ4FrameDecompressor().decompress(c.data, max_length=c.raw_size + 1)
+        except RuntimeError as e:
+            raise DataLoss(f"tensor {c.name!r} chunk at offset {c.offset} does not decompress: {e}") from None
+        if len(raw) != c.raw_size:
+            raise DataLoss(f"tensor {c.name!r} chunk decompressed to {len(raw)} bytes; header says {c.raw_size}")
+        if chunk_crc(c, raw) != c.crc32c:
+            raise DataLoss(f"tensor {c.name!r} chunk at offset {c.offset} failed its crc32c check")
+        part.buf[c.offset : c.offset + c.raw_size] = raw
+        part.filled += c.raw_size
+        if not c.layer_done:
+            return None
+        missing = [n for n, p in self._tensors.items() if p.filled != p.nbytes]
+        if missing:
+            raise InvalidPayload(f"layer {c.layer} closed with incomplete tensors {missing}")
+        tensors = {n: torch.frombuffer(p.buf, dtype=p.dtype).reshape(p.shape) if p.nbytes else
+                   torch.empty(p.shape, dtype=p.dtype) for n, p in self._tensors.items()}
+        self._tensors = {}
+        self.layer += 1
+        return "layer", (c.layer, tensors)
+
+    def _trailer(self, t: pb.Trailer) -> pb.Trailer:
+        if self._tensors:
+            raise InvalidPayload(f"trailer arrived inside layer {self.layer}; its tensors are incomplete")
+        expect = self._totals.trailer()
+        if t.n_chunks != expect.trailer.n_chunks or t.payload_bytes != expect.trailer.payload_bytes:
+            raise DataLoss(f"trailer counts {t.n_chunks} chunks / {t.payload_bytes} bytes; received "
+                           f"{expect.trailer.n_chunks} / {expect.trailer.payload_bytes}: frames were lost")
+        if t.crc32c != expect.trailer.crc32c:
+            raise DataLoss("trailer checksum does not match the chunks received")
+        self.done = True
+        return t

@@ -1,0 +1,113 @@
+"""Both services in-process on free ports, tiny models: streaming, exactness and bad input."""
+
+from typing import NamedTuple
+
+import grpc
+import pytest
+import torch
+
+from consumer_service.engine import ConsumerEngine
+from consumer_service.settings import ConsumerSettings
+from producer_service.engine import ProducerEngine
+from producer_service.settings import ProducerSettings
+from shared import client
+from shared.model.hf_adapter import ModelAdapter
+from shared.model.tiny import perturbed, tiny_model
+from shared.rpc.inprocess import InProcessServices
+
+PROMPT = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def _consumer(name, model, **kw):
+    s = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name=name, **kw)
+    return ConsumerEngine(s, model)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama", n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def services(base):
+    consumers = [
+        _consumer("same", base),
+        _consumer("other", perturbed(base, 0.3)),
+        _consumer("picky", base, producer_fingerprint="0000000000000000"),
+    ]
+
+    def make_producer(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0},
+                                  consumers={n: {"address": a} for n, a in addresses.items()})
+        return ProducerEngine(s, base)
+
+    with InProcessServices(consumers, make_producer) as svc:
+        yield svc
+
+
+def _gen(svc, **kw):
+    prompt = kw.pop("prompt", PROMPT)
+    return client.generate(svc.producer_address, client.request(prompt, **kw), timeout=60)
+
+
+def _local_greedy(model, n):
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_lossless_raw_is_token_identical_to_local_decode(services, base):
+    res = _gen(services, consumer="same", method="raw", method_params={"dtype": "float32"}, max_new_tokens=12)
+    assert res.token_ids == _local_greedy(base, 12)
+    assert res.finish_reason == "length"
+    t = res.timings
+    assert t.method == "raw" and t.completion_tokens == 12 and t.prompt_tokens == len(PROMPT)
+    expect = 2 * 4 * base.config.num_key_value_heads * 16 * (len(PROMPT) - 1) * 4  # K,V x layers x fp32
+    assert expect * 0.5 < t.payload_bytes < expect * 1.05 and t.wire_bytes > t.payload_bytes
+    assert t.ttft_ms > 0 and t.reconstruct_ms > 0
+
+
+def test_oracle_sends_only_ids_and_matches_consumer_prefill(services):
+    res = _gen(services, consumer="other", method="oracle", max_new_tokens=8)
+    other = services._consumers[1].adapter.model
+    assert res.token_ids == _local_greedy(other, 8)
+    assert res.timings.payload_bytes == 0
+
+
+def test_fp16_raw_to_a_drifted_consumer_streams(services):
+    res = _gen(services, consumer="other", method="raw", max_new_tokens=6)
+    assert len(res.token_ids) == 6 and res.timings.payload_bytes > 0
+
+
+class Bad(NamedTuple):
+    info: str
+    kwargs: dict
+    code: grpc.StatusCode
+    says: str
+
+
+BAD = [
+    Bad("empty prompt", dict(prompt=[], consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "token"),
+    Bad("empty text", dict(prompt="   ", consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    Bad("oversized prompt", dict(prompt=[1] * 5000, consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
+    Bad("token out of vocab", dict(prompt=[1, 99999], consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "vocab"),
+    Bad("unknown consumer", dict(consumer="nope"), grpc.StatusCode.NOT_FOUND, "unknown consumer"),
+    Bad("unknown method", dict(consumer="same", method="magic"), grpc.StatusCode.NOT_FOUND, "magic"),
+    Bad("bad method setting", dict(consumer="same", method="raw", method_params={"dtype": "int3"}),
+        grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+    Bad("negative temperature", dict(consumer="same", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    Bad("top_p above 1", dict(consumer="same", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    Bad("too many new tokens", dict(consumer="same", max_new_tokens=100000), grpc.StatusCode.INVALID_ARGUMENT,
+        "max_new_tokens"),
+    Bad("fingerprint mismatch", dict(consumer="picky", method="raw"), grpc.StatusCode.FAILED_PRECONDITION,
+        "producer weights"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b.info for b in BAD])
+def test_bad_input_gets_clear_status_and_service_keeps_serving(services, case):
+    with pytest.raises(grpc.RpcError) as ei:
+        _gen(services, **case.kwargs)
+    assert ei.value.code() == case.code, f"{case.info}: expected {case.code}, got {ei.value.code()}: {ei.value.details()}"
+    assert case.says in ei.value.details(), ei.value.details()
+    ok = _gen(services, consumer="same", method="raw", max_new_tokens=2)
+    assert len(ok.token_ids) == 2
