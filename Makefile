@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets test test-all demo proto clean-venv
+.PHONY: install assets test test-all demo proto clean-venv bench-overlap
 
 install: $(STAMP)
 
@@ -34,3 +34,9 @@ clean-venv:
 
 proto: install
 	$(PY) -m grpc_tools.protoc -Ishared/rpc=proto --python_out=. --pyi_out=. --grpc_python_out=. shared/rpc/scd.proto
+
+demo: install assets
+	$(SCD) demo
+
+bench-overlap: install assets
+	$(SCD) bench-overlap --pair strong --tokens 1000 --methods raw

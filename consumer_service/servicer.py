@@ -37,10 +37,11 @@ class ConsumerServicer(pbg.ConsumerServicer):
         dec = FrameDecoder(n_layers=eng.adapter.n_layers)
         kind, header = dec.feed(await self._next(it))
         req = eng.open(header)
-        t_last = t_first = time.perf_counter()
+        t_first = None  # first frame after the header: the transfer proper starts
         while True:
             out = dec.feed(await self._next(it))
             t_last = time.perf_counter()
+            t_first = t_first or t_last
             if out is None:
                 continue
             if out[0] == "layer":

@@ -103,6 +103,164 @@ def drift(
                       "raw_kl": res["methods"]["raw"]["kl"], "raw_agree_f1": res["methods"]["raw"]["agree_f1"]}))
 
 
+serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
+app.add_typer(serve_app, name="serve")
+
+
+def _serve(load_engine, build_server, settings) -> None:
+    import asyncio
+
+    from shared.errors import SCDError
+
+    async def run() -> None:
+        engine = load_engine(settings)
+        built = build_server(engine)
+        server, servicer = built if isinstance(built, tuple) else (built, None)
+        port = await server.start()
+        typer.echo(f"{type(settings).__name__.replace('Settings', '').lower()} listening on "
+                   f"{settings.server.host}:{port}", err=True)
+        try:
+            await server.serve_until_signal(settings.server.grace_s)
+        finally:
+            if servicer is not None:
+                await servicer.close()
+            engine.close()
+
+    try:
+        asyncio.run(run())
+    except (SCDError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _load_settings(cls, config, overrides, **kw):
+    from shared.errors import ConfigError
+
+    try:
+        return cls.load(config, overrides, **{k: v for k, v in kw.items() if v is not None})
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@serve_app.command("consumer")
+def serve_consumer(
+    name: Optional[str] = typer.Option(None, help="Consumer name (default: strong)."),
+    model: Optional[str] = typer.Option(None, help="Model folder; default: the prepared model of pair NAME."),
+    host: Optional[str] = typer.Option(None),
+    port: Optional[int] = typer.Option(None),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Serve a consumer: receives cache streams, reconstructs layer by layer, decodes."""
+    _setup_logging(verbose)
+    from consumer_service.server import build_server, load_engine
+    from consumer_service.settings import ConsumerSettings
+    from shared.assets.models import consumer_dir
+
+    server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if model is None and not config and not any(o.startswith("model.") for o in set_):
+        model = str(consumer_dir(name or "strong"))
+    s = _load_settings(ConsumerSettings, config, set_, name=name, model={"path": model} if model else None,
+                       server=server or None)
+    _serve(load_engine, build_server, s)
+
+
+@serve_app.command("producer")
+def serve_producer(
+    consumer: list[str] = typer.Option([], help="NAME=HOST:PORT of a consumer (repeatable)."),
+    model: Optional[str] = typer.Option(None, help="Model folder; default: the prepared producer."),
+    host: Optional[str] = typer.Option(None),
+    port: Optional[int] = typer.Option(None),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Serve the producer: prefills with the base model and streams the cache to consumers."""
+    _setup_logging(verbose)
+    from producer_service.server import build_server, load_engine
+    from producer_service.settings import ProducerSettings
+    from shared.assets.models import producer_dir
+
+    consumers = {}
+    for c in consumer:
+        if "=" not in c:
+            raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
+        n, addr = c.split("=", 1)
+        consumers[n] = {"address": addr}
+    server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if model is None and not config and not any(o.startswith("model.") for o in set_):
+        model = str(producer_dir())
+    s = _load_settings(ProducerSettings, config, set_, model={"path": model} if model else None,
+                       server=server or None, consumers=consumers or None)
+    _serve(load_engine, build_server, s)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text (wrapped in the chat template)."),
+    producer: str = typer.Option("127.0.0.1:50051", help="HOST:PORT of the producer."),
+    consumer: str = typer.Option("strong", help="Consumer name."),
+    method: str = typer.Option("", help="Transfer method (default: the producer's)."),
+    param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
+    max_new_tokens: int = typer.Option(64),
+    temperature: float = typer.Option(0.0),
+    top_p: float = typer.Option(1.0),
+    stop: list[str] = typer.Option([]),
+    seed: int = typer.Option(0),
+    native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
+    timeout: float = typer.Option(120.0, help="Deadline in seconds."),
+) -> None:
+    """Send a prompt to the producer and print the consumer's tokens as they stream."""
+    import grpc
+
+    from shared import client
+
+    params = dict(p.split("=", 1) for p in param if "=" in p)
+    req = client.request(prompt, consumer, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
+                         native_prefix, params)
+    try:
+        res = client.generate(producer, req, timeout, on_event=lambda ev: print(ev.text, end="", flush=True))
+    except grpc.RpcError as e:
+        typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    t = res.timings
+    print()
+    typer.echo(f"[{t.method}] TTFT {t.ttft_ms:.0f} ms | {t.wire_bytes:,} bytes on the wire | "
+               f"prefill {t.prefill_ms:.0f} ms, encode {t.encode_ms:.0f} ms, reconstruct {t.reconstruct_ms:.0f} ms | "
+               f"{t.completion_tokens} tokens at {t.decode_tokens_per_s:.1f} tok/s | finish {res.finish_reason}")
+
+
+@app.command()
+def demo(
+    pair: str = typer.Option("strong"),
+    methods: str = typer.Option("oracle,raw", help="Comma-separated transfer methods."),
+    max_new_tokens: int = typer.Option(24),
+) -> None:
+    """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""
+    from shared import demo as d
+
+    d.run(pair, tuple(m for m in methods.split(",") if m), max_new_tokens)
+
+
+@app.command("bench-overlap")
+def bench_overlap(
+    pair: str = typer.Option("strong"),
+    tokens: int = typer.Option(1000, help="Prompt length in tokens."),
+    methods: str = typer.Option("raw"),
+    iters: int = typer.Option(3),
+    tiny: bool = typer.Option(False, help="Tiny random models (smoke test)."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
+    from shared.eval import overlap
+
+    res = overlap.run(pair, tokens, tuple(methods.split(",")), iters, tiny)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+
+
 def main() -> None:
     app()
 

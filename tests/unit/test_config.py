@@ -1,0 +1,63 @@
+"""Every deploy file parses; settings files validate; errors say what to fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from consumer_service.settings import ConsumerSettings
+from producer_service.settings import ProducerSettings
+from shared.errors import ConfigError
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.yaml")), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_yaml_parses(path):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs and all(isinstance(d, dict) for d in docs)
+
+
+def test_settings_files_validate():
+    p = ProducerSettings.load(DEPLOY / "producer.yaml")
+    c = ConsumerSettings.load(DEPLOY / "consumer.yaml")
+    assert p.consumers["strong"].address.endswith(":50052") and c.name == "strong"
+
+
+def test_k8s_manifests_have_probes_and_gpus():
+    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "scd-serve.yaml").read_text()))
+    kinds = [d["kind"] for d in docs]
+    assert {"Deployment", "Service", "PersistentVolume", "PersistentVolumeClaim", "ConfigMap"} <= set(kinds)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    ProducerSettings.load(overrides=(), **yaml.safe_load(cm["data"]["producer.yaml"]))
+    ConsumerSettings.load(overrides=(), **yaml.safe_load(cm["data"]["consumer.yaml"]))
+    for d in docs:
+        if d["kind"] == "Deployment":
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            assert "grpc" in c["readinessProbe"] and "grpc" in c["livenessProbe"]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_compose_wires_the_two_containers():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert {"producer", "consumer-strong"} <= set(compose["services"])
+    assert "artifacts" in compose["volumes"]
+
+
+def test_env_beats_file_and_flags_beat_env(monkeypatch):
+    monkeypatch.setenv("CONSUMER__MAX_NEW_TOKENS", "77")
+    assert ConsumerSettings.load(DEPLOY / "consumer.yaml").max_new_tokens == 77
+    assert ConsumerSettings.load(DEPLOY / "consumer.yaml", ["max_new_tokens=9"]).max_new_tokens == 9
+
+
+def test_bad_settings_say_what_to_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.dtype"):
+        ConsumerSettings.load(overrides=["model.path=/x", "model.dtype=float8"])
+    with pytest.raises(ConfigError, match=r"default_method"):
+        ProducerSettings.load(overrides=["model.path=/x", "default_method=magic"])
+    with pytest.raises(ConfigError, match=r"a.b=value"):
+        ProducerSettings.load(overrides=["nonsense"])
+    bad = tmp_path / "s.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        ConsumerSettings.load(bad)
