@@ -261,6 +261,121 @@ def bench_overlap(
         json_out.write_text(json.dumps(res, indent=2) + "\n")
 
 
+def _pair_models(pair: str, device: str, dtype: str):
+    from shared.assets.models import consumer_dir, load_model, load_tokenizer, producer_dir
+    from shared.model.hf_adapter import ModelAdapter
+
+    td = _torch_dtype(dtype)
+    return (ModelAdapter(load_model(producer_dir(), device, td)), ModelAdapter(load_model(consumer_dir(pair), device, td)),
+            load_tokenizer())
+
+
+@app.command()
+def calibrate(
+    pair: str = typer.Option("strong", help="Consumer pair: strong | mild."),
+    out: Path = typer.Option(Path("artifacts/store"), help="Artifact store directory."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Calibrate on your own prompts (JSONL)."),
+    set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_k=64 (repeatable)."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
+) -> None:
+    """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store."""
+    _setup_logging(verbose)
+    import yaml
+
+    from shared import data
+    from shared.calibration.pipeline import CalibrationSettings, calibrate as run, data_hash
+
+    overrides = {}
+    for item in set_:
+        if "=" not in item:
+            raise typer.BadParameter(f"--set {item!r} must look like key=value")
+        k, v = item.split("=", 1)
+        overrides[k] = yaml.safe_load(v)
+    try:
+        cfg = CalibrationSettings(pair=pair, **overrides)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    producer, consumer, tok = _pair_models(pair, device, dtype)
+    if data_file:
+        cal = [it.prompt_ids for it in data.load_jsonl_prompts(data_file, tok)]
+    else:  # interleave QA and LM calibration prompts
+        qa, lm = data.load("qa", "calibration"), data.load("lm", "calibration")
+        cal = [x.prompt_ids for pair_ in zip(qa, lm) for x in pair_] + [x.prompt_ids for x in qa[len(lm):]]
+    val = [(it.prompt_ids, it.prefix_len) for it in data.load("qa", "validation")]
+    folder, report = run(producer, consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]))
+    v = report["validation"]
+    typer.echo(f"artifacts written to {folder}")
+    typer.echo(f"validation KL: raw {v['raw_kl']:.4f} | REUSE only {v['reuse_only_kl']:.4f} | "
+               f"SCD {report['selected_kl']:.4f}; patch layers {[p['layer'] for p in report['greedy_path'][:cfg.budget_k]]}")
+    typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "validation": v, "selected_kl": report["selected_kl"]}))
+
+
+@app.command("eval")
+def eval_(
+    pair: str = typer.Option("strong"),
+    methods: str = typer.Option("oracle,raw,scd-reuse,scd", help="Comma-separated transfer methods."),
+    n: int = typer.Option(48, min=1, help="Number of test prompts."),
+    native_prefix: str = typer.Option("on", help="on | off"),
+    store_dir: Path = typer.Option(Path("artifacts/store"), "--store", help="Artifact store directory."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Evaluate on your own prompts (JSONL)."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+    param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+) -> None:
+    """Quality and cost of each transfer method against the Oracle, side by side on the same prompts."""
+    _setup_logging(False)
+    if native_prefix not in ("on", "off"):
+        raise typer.BadParameter(f"expected one of ['off', 'on'], got {native_prefix!r}")
+    from shared import data
+    from shared.codecs import CODECS, CodecContext
+    from shared.codecs.scd import PairArtifacts
+    from shared.errors import SCDError
+    from shared.eval.harness import codec_method, evaluate
+    from shared.eval.report import print_table
+    from shared.artifacts import store
+    from shared.model.fingerprint import weights_fingerprint
+
+    names = [m for m in methods.split(",") if m]
+    unknown = [m for m in names if m not in CODECS]
+    if unknown:
+        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
+    params: dict[str, dict[str, str]] = {}
+    for p in param:
+        key, _, value = p.partition("=")
+        meth, _, k = key.partition(".")
+        params.setdefault(meth, {})[k] = value
+    t0 = time.perf_counter()
+    producer, consumer, tok = _pair_models(pair, device, dtype)
+    pctx, cctx = CodecContext(producer), CodecContext(consumer)
+    if any(m.startswith("scd") for m in names):
+        try:
+            folder = store_dir / pair
+            pfp, cfp = weights_fingerprint(producer.model), weights_fingerprint(consumer.model)
+            meta, pt = store.load(folder, "producer", pfp, cfp)
+            _, ct = store.load(folder, "consumer", pfp, cfp)
+        except SCDError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
+    from shared.eval.harness import oracle
+
+    runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}
+    hidden = sorted({l for m in names for l in CODECS[m](CODECS[m].Config(), pctx).hidden_layers()}) if pctx.artifacts \
+        else []
+    items = data.load_jsonl_prompts(data_file, tok)[:n] if data_file else data.load("qa", "test", n)
+    res = evaluate(producer, consumer, tok, items, runners, native_prefix == "on", hidden_layers=hidden)
+    res.update(pair=pair, native_prefix=native_prefix, n=len(items), seconds=round(time.perf_counter() - t0, 1))
+    print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(items)}")
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({"pair": pair, "native_prefix": native_prefix, "n": len(items),
+                      "kl": {m: r["kl"] for m, r in res["methods"].items()}}))
+
+
 def main() -> None:
     app()
 

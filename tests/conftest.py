@@ -23,3 +23,35 @@ def tokenizer(real_assets):
     from shared.assets.models import load_tokenizer
 
     return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """A tiny producer and a 'fine-tuned' consumer whose layer 2 attention projections differ."""
+    from shared.model.hf_adapter import ModelAdapter
+    from shared.model.tiny import tiny_model
+
+    base = tiny_model("llama", n_layers=4)
+    cons = tiny_model("llama", n_layers=4)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name in ("k_proj", "v_proj"):
+            w = getattr(cons.model.layers[2].self_attn, name).weight
+            w.add_(torch.randn(w.shape, generator=g) * w.abs().mean() * 3)
+    return ModelAdapter(base), ModelAdapter(cons)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_pair, tmp_path_factory):
+    """Calibrated SCD artifacts for the tiny pair (the real pipeline, small settings)."""
+    from shared.calibration.pipeline import CalibrationSettings, calibrate
+
+    producer, consumer = tiny_pair
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(24)]
+    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(4)]
+    cfg = CalibrationSettings(pair="tiny", n_prompts=20, r_k=16, r_v=24, r_h=32, budget_k=1, pool=4, n_val=4,
+                              aligner_hidden=64, aligner_steps=150, aligner_rows=900, ablations=False)
+    out = tmp_path_factory.mktemp("store")
+    folder, report = calibrate(producer, consumer, prompts, val, cfg, str(out), "test", progress=False)
+    return folder, report

@@ -9,6 +9,7 @@ from pydantic import Field, TypeAdapter
 from shared.codecs.base import CodecContext, DecodeJob, DecodeSession, MethodConfig, TransferMethod
 from shared.codecs.oracle import Oracle
 from shared.codecs.raw import RawKV
+from shared.codecs.scd import SCD, SCDReuse
 from shared.errors import InvalidRequest, UnknownMethod
 
 
@@ -21,8 +22,10 @@ def _registry(*classes: type[TransferMethod]) -> dict[str, type[TransferMethod]]
     return out
 
 
-CODECS = _registry(Oracle, RawKV)
-CodecConfig = Annotated[Union[Oracle.Config, RawKV.Config], Field(discriminator="kind")]
+CODECS = _registry(Oracle, RawKV, SCDReuse, SCD)
+CodecConfig = Annotated[
+    Union[Oracle.Config, RawKV.Config, SCDReuse.Config, SCD.Config], Field(discriminator="kind")
+]
 _ADAPTER = TypeAdapter(CodecConfig)
 
 

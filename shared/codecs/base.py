@@ -74,10 +74,12 @@ class DecodeSession:
             raise InvalidPayload(f"layer {layer} arrived out of order; expected layer {len(self._rotated)}")
         k, v = self.decode_layer(layer, tensors)
         self._check(layer, k, v)
+        dev, dt = self.model.device, self.model.dtype
+        k, v = k.to(dev, dt), v.to(dev, dt)
         if self.job.start:
-            k = torch.cat([self.job.prefix_keys[layer].to(k), k], dim=2)
-            v = torch.cat([self.job.prefix_values[layer].to(v), v], dim=2)
-        self._rotated.append((self.model.layer_cache_entry(k), v.to(self.model.device, self.model.dtype)))
+            k = torch.cat([self.job.prefix_keys[layer].to(dev, dt), k], dim=2)
+            v = torch.cat([self.job.prefix_values[layer].to(dev, dt), v], dim=2)
+        self._rotated.append((self.model.layer_cache_entry(k), v))
 
     def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         want = (1, self.model.n_kv_heads, self.job.n_transfer, self.model.head_dim)
@@ -103,6 +105,8 @@ class TransferMethod(ABC):
     version: ClassVar[int] = 1
     lossless: ClassVar[bool] = False
     transfers_layers: ClassVar[bool] = True  # False: only token ids cross (the Oracle)
+    compressive: ClassVar[bool] = False  # promises fewer bytes than raw fp16 K/V
+    cross_model: ClassVar[bool] = False  # maps into the consumer's space (needs the pair's artifacts)
     Config: ClassVar[type[MethodConfig]]
     Session: ClassVar[type[DecodeSession]] = DecodeSession
 

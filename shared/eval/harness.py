@@ -160,3 +160,41 @@ def _slope(x: Sequence[float], y: Sequence[float]) -> float:
     mx, my = statistics.fmean(x), statistics.fmean(y)
     den = sum((a - mx) ** 2 for a in x)
     return sum((a - mx) * (b - my) for a, b in zip(x, y)) / den if den else 0.0
+
+
+def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] | None = None) -> Method:
+    """A registered transfer method run exactly as the services run it: producer-side encode of each
+    layer, the wire's chunking and lz4 (bytes counted from the real frames), consumer-side decode."""
+    from shared.codecs import DecodeJob, make_method
+    from shared.rpc.wire import layer_frames
+
+    enc = make_method(kind, producer_ctx, params)
+    dec = make_method(kind, consumer_ctx, params)
+
+    def run(ctx: Context, consumer: ModelAdapter) -> MethodResult:
+        n = ctx.producer.n_tokens
+        start = ctx.prefix_len
+        job = DecodeJob(prompt_ids=list(ctx.item.prompt_ids), n_tokens=n, start=start,
+                        prefix_keys=tuple(k[:, :, :start] for k in ctx.consumer.keys),
+                        prefix_values=tuple(v[:, :, :start] for v in ctx.consumer.values))
+        session = dec.start(job)
+        nbytes, enc_ms, rec_ms = 4 * len(ctx.item.prompt_ids), 0.0, 0.0
+        if enc.transfers_layers:
+            state = ctx.producer
+            if enc.hidden_layers() and not set(enc.hidden_layers()) <= set(state.hidden):
+                raise ValueError(f"{kind} needs hidden states of layers {enc.hidden_layers()}; pass hidden_layers")
+            for layer in range(consumer.n_layers):
+                t0 = time.perf_counter()
+                tensors = enc.encode_layer(state, layer, start)
+                enc_ms += (time.perf_counter() - t0) * 1e3
+                frames = layer_frames(layer, tensors)
+                nbytes += sum(len(f.chunk.data) for f in frames)
+                t0 = time.perf_counter()
+                session.add_layer(layer, {k: v.cpu() for k, v in tensors.items()})
+                rec_ms += (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        cache = session.finish()
+        rec_ms += (time.perf_counter() - t0) * 1e3
+        return MethodResult(cache, bytes=nbytes, encode_ms=enc_ms, reconstruct_ms=rec_ms)
+
+    return run

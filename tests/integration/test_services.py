@@ -111,3 +111,50 @@ def test_bad_input_gets_clear_status_and_service_keeps_serving(services, case):
     assert case.says in ei.value.details(), ei.value.details()
     ok = _gen(services, consumer="same", method="raw", max_new_tokens=2)
     assert len(ok.token_ids) == 2
+
+
+def _frames(base, mutate=None, drop_layer=None, shape_t=None):
+    """A valid raw stream for PROMPT, optionally corrupted."""
+    from shared.codecs import CodecContext, make_method
+    from shared.rpc import scd_pb2 as pb
+    from shared.rpc.wire import PROTOCOL_VERSION, StreamTotals, layer_frames
+
+    ad = ModelAdapter(base)
+    m = make_method("raw", CodecContext(ad))
+    state = ad.prefill(PROMPT[:-1])
+    totals = StreamTotals()
+    out = [totals.add(pb.KVFrame(header=pb.Header(
+        request_id="x", method="raw", method_version=1, protocol_version=PROTOCOL_VERSION, pair_fingerprint="f:raw",
+        n_layers=ad.n_layers, n_tokens=len(PROMPT) - 1, prompt_ids=PROMPT, consumer="same",
+        sampling=pb.SamplingParams(max_new_tokens=2))))]
+    for layer in range(ad.n_layers):
+        if layer == drop_layer:
+            continue
+        tensors = m.encode_layer(state, layer, 0)
+        if shape_t is not None:
+            tensors = {k: v[:, :, :shape_t] for k, v in tensors.items()}
+        out += [totals.add(f) for f in layer_frames(layer, tensors)]
+    out.append(totals.trailer())
+    if mutate:
+        mutate(out)
+    return out
+
+
+@pytest.mark.parametrize("info,kw,code", [
+    ("bad checksum", dict(mutate=lambda fs: setattr(fs[3].chunk, "crc32c", fs[3].chunk.crc32c ^ 1)),
+     grpc.StatusCode.DATA_LOSS),
+    ("missing layer", dict(drop_layer=1), grpc.StatusCode.INVALID_ARGUMENT),
+    ("wrong shape", dict(shape_t=10), grpc.StatusCode.INVALID_ARGUMENT),
+    ("wrong dtype", dict(mutate=lambda fs: setattr(fs[1].chunk, "dtype", "F64")), grpc.StatusCode.INVALID_ARGUMENT),
+    ("no trailer", dict(mutate=lambda fs: fs.pop()), grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_corrupt_streams_are_refused_and_the_consumer_keeps_serving(services, base, info, kw, code):
+    from shared.rpc import scd_pb2_grpc as pbg
+
+    with grpc.insecure_channel(services.consumer_addresses["same"]) as ch:
+        stub = pbg.ConsumerStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Transfer(iter(_frames(base, **kw)), timeout=30))
+        assert ei.value.code() == code, f"{info}: {ei.value.code()} {ei.value.details()}"
+        ok = list(stub.Transfer(iter(_frames(base)), timeout=30))
+        assert len(ok) == 2 and ok[-1].finish_reason == "length"

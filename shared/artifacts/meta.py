@@ -1,0 +1,37 @@
+"""The JSON manifest of a pair's calibration artifacts."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT_VERSION = 1
+
+
+class ArtifactMeta(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: int = FORMAT_VERSION
+    method_version: int = 1
+    pair: str
+    producer_fingerprint: str
+    consumer_fingerprint: str
+    n_layers: int = Field(..., gt=0)
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    r_k: int
+    r_v: int
+    r_h: int
+    code_bits: Literal[8, 16]
+    center: bool
+    patch_layers: list[int]
+    aligner_hidden: int
+    calibration: dict[str, Any] = {}
+    """Data hash, prompt and token counts, settings."""
+    versions: dict[str, str] = {}
+    report: dict[str, Any] = {}
+    """Per-layer variance explained and errors, sensitivity curve, greedy path, ablations, stage times."""
+    files: dict[str, str] = {}
+    """File name -> sha256 of every tensor file of the artifact set."""

@@ -1,0 +1,100 @@
+"""A directory of calibration artifacts: ``<store>/<pair>/{meta.json, producer.safetensors,
+consumer.safetensors}``. Writes are atomic (a temporary folder renamed into place); loads verify
+every file's sha256 and the models' fingerprints, and refuse with a clear error, never falling
+back silently. Nothing is pickled."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.artifacts.meta import FORMAT_VERSION, ArtifactMeta
+from shared.errors import DataLoss, FingerprintMismatch, NotFound, PreconditionFailed
+
+SIDES = ("producer", "consumer")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save(store: str | Path, meta: ArtifactMeta, producer: dict[str, torch.Tensor],
+         consumer: dict[str, torch.Tensor]) -> Path:
+    """Write one pair's artifacts atomically; returns the pair's folder."""
+    store = Path(store)
+    store.mkdir(parents=True, exist_ok=True)
+    final = store / meta.pair
+    tmp = Path(tempfile.mkdtemp(prefix=f".{meta.pair}.", dir=store))
+    try:
+        files = {}
+        for side, tensors in (("producer", producer), ("consumer", consumer)):
+            name = f"{side}.safetensors"
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name)
+            files[name] = _sha256(tmp / name)
+        meta = meta.model_copy(update={"files": files})
+        (tmp / "meta.json").write_text(meta.model_dump_json(indent=2) + "\n")
+        old = None
+        if final.exists():
+            old = store / f".{meta.pair}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_meta(folder: str | Path) -> ArtifactMeta:
+    folder = Path(folder)
+    path = folder / "meta.json"
+    if not path.exists():
+        raise NotFound(f"no artifacts at {folder}: run `scd calibrate --pair {folder.name} --out {folder.parent}`")
+    meta = ArtifactMeta.model_validate_json(path.read_text())
+    if meta.format_version != FORMAT_VERSION:
+        raise PreconditionFailed(f"artifacts at {folder} have format {meta.format_version}; this build reads "
+                                 f"{FORMAT_VERSION}: recalibrate or update the service")
+    return meta
+
+
+def load(folder: str | Path, side: str, producer_fingerprint: str | None = None,
+         consumer_fingerprint: str | None = None) -> tuple[ArtifactMeta, dict[str, torch.Tensor]]:
+    """One side's tensors, after checking the file hash and the model fingerprints given."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    folder = Path(folder)
+    meta = load_meta(folder)
+    name = f"{side}.safetensors"
+    path = folder / name
+    if name not in meta.files or not path.exists():
+        raise NotFound(f"artifact file {path} is missing; recalibrate the pair")
+    if _sha256(path) != meta.files[name]:
+        raise DataLoss(f"artifact file {path} does not match the sha256 in its meta.json: it was modified or "
+                       "corrupted; restore it or recalibrate")
+    for who, want, have in (("producer", producer_fingerprint, meta.producer_fingerprint),
+                            ("consumer", consumer_fingerprint, meta.consumer_fingerprint)):
+        if want is not None and want != have:
+            raise FingerprintMismatch(
+                f"artifacts at {folder} were calibrated for {who} weights {have!r}, but the loaded {who} model is "
+                f"{want!r}: load the right model or run `scd calibrate` for this pair")
+    return meta, load_file(path)
+
+
+def describe(folder: str | Path) -> dict:
+    meta = load_meta(folder)
+    sizes = {n: (Path(folder) / n).stat().st_size for n in meta.files}
+    return {"pair": meta.pair, "patch_layers": meta.patch_layers, "r_k": meta.r_k, "r_v": meta.r_v,
+            "r_h": meta.r_h, "bytes": sizes, "report_keys": sorted(meta.report), "json": json.dumps(meta.calibration)}

@@ -1,0 +1,191 @@
+"""``scd calibrate``: traces -> REUSE maps -> PATCH projections and aligners -> layer selection ->
+ablations -> artifacts. Every stage is timed and reported; the artifact write is atomic, so an
+interrupted run is simply restarted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.artifacts import store
+from shared.artifacts.meta import ArtifactMeta
+from shared.calibration import selection as sel
+from shared.calibration.aligner import train_aligner
+from shared.calibration.linalg import fit_reuse, pca
+from shared.calibration.traces import collect
+from shared.model.fingerprint import weights_fingerprint
+from shared.model.hf_adapter import ModelAdapter
+
+log = logging.getLogger(__name__)
+
+
+class CalibrationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pair: str
+    n_prompts: int = Field(64, ge=2)
+    """Calibration prompts (paired traces)."""
+    max_prompt_tokens: int = Field(1024, ge=16)
+    r_k: int = Field(96, ge=1)
+    r_v: int = Field(128, ge=1)
+    r_h: int = Field(128, ge=1)
+    code_bits: Literal[8, 16] = 8
+    center: bool = True
+    ridge: float = Field(1e-3, ge=0)
+    """Ridge strength relative to the mean input variance."""
+    budget_k: int = Field(6, ge=0)
+    """Patch budget: at most this many PATCH layers."""
+    pool: int = Field(8, ge=1)
+    """Candidate pool size kept after restore-one."""
+    n_val: int = Field(12, ge=1)
+    """Validation prompts for selection and ablations."""
+    aligner_hidden: int = Field(256, ge=1)
+    aligner_steps: int = Field(300, ge=1)
+    aligner_rows: int = Field(4096, ge=64)
+    patch_compute_cost: float = Field(0.25, ge=0)
+    """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
+    ablations: bool = True
+    """Sweep patch budget k and r_K, r_V on the validation split (adds minutes)."""
+    seed: int = 0
+
+
+def _stage(report: dict, name: str, t0: float) -> float:
+    now = time.perf_counter()
+    report.setdefault("stage_seconds", {})[name] = round(now - t0, 2)
+    log.info("stage %s: %.1f s", name, now - t0)
+    return now
+
+
+def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
+              val_prompts: list[tuple[list[int], int]], cfg: CalibrationSettings, out: str,
+              data_hash: str = "", progress: bool = True) -> tuple[str, dict]:
+    """Fit and write the pair's artifacts into store ``out``; returns (folder, report)."""
+    torch.manual_seed(cfg.seed)
+    L, m = producer.n_layers, producer.kv_dim
+    report: dict = {}
+    t_all = t = time.perf_counter()
+    prompts = [p[: cfg.max_prompt_tokens] for p in cal_prompts[: cfg.n_prompts]]
+    tr = collect(producer, consumer, prompts, cfg.aligner_rows, cfg.seed, progress)
+    t = _stage(report, "traces", t)
+
+    def fit(rk, rv):
+        return ([fit_reuse(tr.k[l], m, rk, cfg.ridge, cfg.center) for l in range(L)],
+                [fit_reuse(tr.v[l], m, rv, cfg.ridge, cfg.center) for l in range(L)])
+
+    mk, mv = fit(cfg.r_k, cfg.r_v)
+    pcas = [pca(tr.h[l], cfg.r_h, cfg.center) for l in range(L)]
+    report["layers"] = [{"layer": l, "k_var_explained": mk[l].var_explained, "v_var_explained": mv[l].var_explained,
+                         "k_rel_err": mk[l].rel_err, "v_rel_err": mv[l].rel_err, "h_var_explained": pcas[l][2]}
+                        for l in range(L)]
+    t = _stage(report, "reuse_fit", t)
+
+    vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], progress=progress)
+    t = _stage(report, "validation_prep", t)
+
+    bits = cfg.code_bits
+    reuse_cache: dict = {}
+
+    def reuse(i, l, maps=None):
+        maps = maps or (mk, mv)
+        key = (id(maps[0]), id(maps[1]), i, l)
+        if key not in reuse_cache:
+            reuse_cache[key] = sel.reuse_kv(vps[i], l, maps[0][l], maps[1][l], bits, consumer)
+        return reuse_cache[key]
+
+    aligners: dict[int, object] = {}
+    patch_cache: dict = {}
+
+    def linear_aligner(l):
+        wh, mu_h, _ = pcas[l]
+        hp, hc = tr.rows(l)
+        u = sel.roundtrip((hp - mu_h) @ wh, bits)
+        x = torch.cat([u, torch.ones(len(u), 1)], 1)
+        sol = torch.linalg.lstsq(x, hc).solution
+        return lambda uu: uu @ sol[:-1] + sol[-1]
+
+    def patch(i, l, fn):
+        key = (id(fn), i, l)
+        if key not in patch_cache:
+            wh, mu_h, _ = pcas[l]
+            patch_cache[key] = sel.patch_kv(vps[i], l, wh, mu_h, fn, bits, consumer)
+        return patch_cache[key]
+
+    def kl_with(patches: dict[int, object], maps=None) -> float:
+        return sel.quality(vps, lambda i, l: patch(i, l, patches[l]) if l in patches else reuse(i, l, maps), consumer)
+
+    raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:],
+                                            vps[i].state.values[l][:, :, vps[i].start:]), consumer)
+    base_kl = kl_with({})
+    report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl}
+    lin = {l: linear_aligner(l) for l in range(L)}
+    sens = sel.restore_one(list(range(L)), base_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
+    report["sensitivity"] = [{"layer": l, "gain": g} for l, g in sens.items()]
+    pool = [l for l, g in sorted(sens.items(), key=lambda kv: -kv[1]) if g > 0][: cfg.pool]
+    t = _stage(report, "restore_one", t)
+
+    for l in pool:
+        wh, mu_h, _ = pcas[l]
+        hp, hc = tr.rows(l)
+        u = sel.roundtrip((hp - mu_h) @ wh, bits)
+        aligners[l], rep = train_aligner(u, hc, cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
+        report["layers"][l].update({f"aligner_{k}": v for k, v in rep.items()})
+    t = _stage(report, "aligners", t)
+
+    reuse_bytes = cfg.r_k + cfg.r_v + 4 if bits == 8 else 2 * (cfg.r_k + cfg.r_v)  # per token, both scales
+    patch_bytes = cfg.r_h + 2 if bits == 8 else 2 * cfg.r_h
+    cost = lambda l: patch_bytes / reuse_bytes + cfg.patch_compute_cost  # noqa: E731
+    steps = max(cfg.budget_k, 8 if cfg.ablations else 0)
+    path = sel.greedy(pool, steps, base_kl, lambda s: kl_with({l: aligners[l] for l in s}), cost, progress)
+    report["greedy_path"] = path
+    chosen = [p["layer"] for p in path[: cfg.budget_k]]
+    t = _stage(report, "greedy", t)
+
+    if cfg.ablations:
+        kl_at = [base_kl] + [p["kl"] for p in path]
+        report["ablation_patch_budget"] = [{"k": k, "kl": kl_at[min(k, len(path))]} for k in (0, 1, 2, 4, 6, 8)]
+        patches = {l: aligners[l] for l in chosen}
+        sweep = []
+        for which in ("k", "v"):
+            for r in sorted({32, 64, 96, 128, 160, m}):
+                maps = fit(r, cfg.r_v) if which == "k" else fit(cfg.r_k, r)
+                sweep.append({"which": which, "rank": r, "kl": kl_with(patches, maps)})
+                reuse_cache.clear()
+        report["ablation_ranks"] = sweep
+        t = _stage(report, "ablations", t)
+
+    prod_t, cons_t = {}, {}
+    for l in range(L):
+        for kv, mp in (("k", mk[l]), ("v", mv[l])):
+            prod_t[f"enc.{kv}.{l}"], prod_t[f"mu_p.{kv}.{l}"] = mp.enc.half(), mp.mu_p.half()
+            cons_t[f"dec.{kv}.{l}"], cons_t[f"mu_c.{kv}.{l}"] = mp.dec.half(), mp.mu_c.half()
+    for l in chosen:
+        wh, mu_h, _ = pcas[l]
+        prod_t[f"wh.{l}"], prod_t[f"mu_h.{l}"] = wh.half(), mu_h.half()
+        for k, v in aligners[l].state_dict().items():
+            cons_t[f"align.{l}.{k}"] = v.half()
+    report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
+    report["selected_kl"] = path[len(chosen) - 1]["kl"] if chosen else base_kl
+    import transformers
+
+    meta = ArtifactMeta(
+        pair=cfg.pair, producer_fingerprint=weights_fingerprint(producer.model),
+        consumer_fingerprint=weights_fingerprint(consumer.model), n_layers=L, n_kv_heads=producer.n_kv_heads,
+        head_dim=producer.head_dim, hidden_size=producer.hidden_size, r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h,
+        code_bits=cfg.code_bits, center=cfg.center, patch_layers=sorted(chosen), aligner_hidden=cfg.aligner_hidden,
+        calibration={"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
+                     "settings": cfg.model_dump()},
+        versions={"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
+        report=report,
+    )
+    folder = store.save(out, meta, prod_t, cons_t)
+    return str(folder), report
+
+
+def data_hash(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()

@@ -1,0 +1,117 @@
+"""Quality on held-out prompts for a candidate SCD configuration, and the paper's Appendix A
+layer selection: restore-one sensitivity, then a greedy budgeted search (gain per unit cost)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from shared.calibration.linalg import ReuseMap
+from shared.calibration.traces import flat
+from shared.codecs.quant import dequantize_rows, quantize_rows
+from shared.eval.metrics import kl_top1
+from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache
+
+
+def roundtrip(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """What a code looks like after the wire: int8 per-token absmax, or fp16."""
+    if bits == 16:
+        return x.half().float()
+    q, s = quantize_rows(x, bits)
+    return dequantize_rows(q, s)
+
+
+def heads(x: torch.Tensor, model: ModelAdapter) -> torch.Tensor:
+    return x.reshape(x.shape[0], model.n_kv_heads, model.head_dim).transpose(0, 1).unsqueeze(0)
+
+
+@dataclass
+class ValPrompt:
+    """A held-out prompt with everything a configuration's quality needs, computed once."""
+
+    ids: list[int]
+    start: int  # native prefix length
+    state: PrefillState  # producer prefill with hidden states of every layer
+    prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]  # consumer's own pre-RoPE K/V for [0, start)
+    target: list[int]  # teacher-forced tokens: the Oracle's greedy continuation
+    oracle_lp: torch.Tensor  # [N, V]
+
+
+def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tuple[list[int], int]],
+                n_new: int = 16, progress: bool = True) -> list[ValPrompt]:
+    out = []
+    layers = list(range(producer.n_layers))
+    for ids, start in tqdm(prompts, desc="validation set", disable=not progress):
+        ctx = ids[:-1]
+        sp = producer.prefill(ctx, hidden_layers=layers)
+        sc = consumer.prefill(ctx)
+        cache = consumer.build_cache(sc.keys, sc.values)
+        target = consumer.greedy(clone_cache(cache, consumer.config), ids[-1], n_new)
+        lp = consumer.score(cache, ids[-1], target)[: len(target)]
+        out.append(ValPrompt(ids, start, sp, [(k[:, :, :start], v[:, :, :start]) for k, v in zip(sc.keys, sc.values)],
+                             target, lp))
+    return out
+
+
+def reuse_kv(vp: ValPrompt, layer: int, mk: ReuseMap, mv: ReuseMap, bits: int, model: ModelAdapter):
+    out = []
+    for m, x in ((mk, vp.state.keys[layer]), (mv, vp.state.values[layer])):
+        z = roundtrip((flat(x[:, :, vp.start:]).float() - m.mu_p) @ m.enc, bits)
+        out.append(heads(m.mu_c + z @ m.dec, model))
+    return tuple(out)
+
+
+def patch_kv(vp: ValPrompt, layer: int, wh: torch.Tensor, mu_h: torch.Tensor, aligner: Callable, bits: int,
+             model: ModelAdapter):
+    u = roundtrip((vp.state.hidden[layer][0, vp.start:].float() - mu_h) @ wh, bits)
+    with torch.inference_mode():
+        h = aligner(u)
+    return model.regenerate_kv(layer, h.unsqueeze(0))
+
+
+def quality(vps: list[ValPrompt], kv: Callable[[int, int], tuple], model: ModelAdapter) -> float:
+    """Mean teacher-forced KL(oracle ‖ config) over ``vps``; ``kv(i, layer)`` gives the config's
+    pre-RoPE K/V of prompt i at layer for positions [start, n)."""
+    kls = []
+    for i, vp in enumerate(vps):
+        ks, vs = [], []
+        for layer in range(model.n_layers):
+            k, v = kv(i, layer)
+            pk, pv = vp.prefix_kv[layer]
+            ks.append(torch.cat([pk, k], 2))
+            vs.append(torch.cat([pv, v], 2))
+        lp = model.score(model.build_cache(ks, vs), vp.ids[-1], vp.target)[: len(vp.target)]
+        kls.append(float(kl_top1(vp.oracle_lp, lp)[0].mean()))
+    return sum(kls) / len(kls)
+
+
+def restore_one(candidates: list[int], base_kl: float, kl_with: Callable[[frozenset[int]], float],
+                progress: bool = True) -> dict[int, float]:
+    """Quality gain of patching each candidate layer alone (all others REUSE)."""
+    return {l: base_kl - kl_with(frozenset([l])) for l in tqdm(candidates, desc="restore-one", disable=not progress)}
+
+
+def greedy(pool: list[int], steps: int, base_kl: float, kl_with: Callable[[frozenset[int]], float],
+           cost: Callable[[int], float], progress: bool = True) -> list[dict]:
+    """Repeatedly add the layer with the largest marginal gain per unit cost; stops early when no
+    layer improves quality. Returns the path: [{layer, kl, gain, gain_per_cost}, ...]."""
+    chosen: frozenset[int] = frozenset()
+    cur, path = base_kl, []
+    for _ in tqdm(range(min(steps, len(pool))), desc="greedy", disable=not progress):
+        best = None
+        for l in pool:
+            if l in chosen:
+                continue
+            kl = kl_with(chosen | {l})
+            score = (cur - kl) / cost(l)
+            if best is None or score > best[0]:
+                best = (score, l, kl)
+        if best is None or best[2] >= cur:
+            break
+        chosen = chosen | {best[1]}
+        path.append({"layer": best[1], "kl": best[2], "gain": cur - best[2], "gain_per_cost": best[0]})
+        cur = best[2]
+    return path

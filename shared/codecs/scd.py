@@ -1,0 +1,158 @@
+"""``scd`` (REUSE + PATCH) and ``scd-reuse`` (REUSE only): Semantic Cache Distillation.
+
+REUSE, at every layer not patched, separately for K and V: the producer sends the low-rank code
+``z = (x_p - mu_p) E`` (r numbers per token instead of 192), the consumer decodes
+``x̂_c = mu_c + z D``. PATCH, at the few transition layers chosen by calibration: the producer
+sends a PCA code ``u = (h_p - mu_h) W_H`` of its normalized pre-attention input, the consumer maps
+it with its MLP aligner to its own pre-attention space and regenerates K and V with its own
+``k_proj``/``v_proj``. Codes travel as int8 with a per-token fp16 scale (or fp16), per the
+artifacts. The reference lookup (``_reuse``) and the patch (``_patch``) are separate hooks, so the
+projector can be swapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from shared.artifacts.meta import ArtifactMeta
+from shared.codecs.aligner import Aligner
+from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.codecs.quant import dequantize_rows, quantize_rows
+from shared.errors import ConfigError, InvalidPayload, InvalidRequest
+
+
+@dataclass
+class PairArtifacts:
+    """One side's calibration tensors of a pair, loaded from the artifact store."""
+
+    meta: ArtifactMeta
+    tensors: dict[str, torch.Tensor]
+    side: str
+
+    def t(self, name: str, device, dtype=torch.float32) -> torch.Tensor:
+        return self.tensors[name].to(device, dtype)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [T, H*D]
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
+
+
+def _heads(x: torch.Tensor, h: int, d: int) -> torch.Tensor:  # [T, H*D] -> [1, H, T, D]
+    return x.reshape(x.shape[0], h, d).transpose(0, 1).unsqueeze(0)
+
+
+class SCDSession(DecodeSession):
+    def decode_layer(self, layer, tensors):
+        return self.method.decode_tensors(layer, tensors)
+
+
+class SCD(TransferMethod):
+    kind: ClassVar[str] = "scd"
+    compressive: ClassVar[bool] = True
+    cross_model: ClassVar[bool] = True
+
+    class Config(MethodConfig):
+        kind: Literal["scd"] = "scd"
+        patch_layers: str = "auto"
+        """``auto``: the layers calibration selected; ``none``: REUSE only; or a comma-separated
+        subset of the calibrated patch layers."""
+
+    Session = SCDSession
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        art = ctx.artifacts
+        if not isinstance(art, PairArtifacts):
+            raise ConfigError(f"method {self.kind!r} needs the pair's calibration artifacts; set artifact_store")
+        self.art, self.meta = art, art.meta
+        self.patch = self._patch_set(getattr(cfg, "patch_layers", "none"))
+        self._aligners: dict[int, Aligner] = {}
+
+    def _patch_set(self, spec: str) -> frozenset[int]:
+        have = frozenset(self.meta.patch_layers)
+        if spec == "auto":
+            return have
+        if spec in ("none", ""):
+            return frozenset()
+        try:
+            want = frozenset(int(x) for x in spec.split(","))
+        except ValueError:
+            raise InvalidRequest(f"patch_layers must be auto, none or a list like 3,7; got {spec!r}") from None
+        if not want <= have:
+            raise InvalidRequest(f"patch layers {sorted(want - have)} were not calibrated; available: {sorted(have)}")
+        return want
+
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.patch))
+
+    # ------------------------------------------------------------------ producer
+    def _code(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+        if self.meta.code_bits == 16:
+            return {prefix: x.to(torch.float16)}
+        q, s = quantize_rows(x, 8)
+        return {prefix: q, f"{prefix}_scale": s}
+
+    def encode_layer(self, state, layer, start):
+        dev = state.keys[layer].device
+        a = self.art
+        if layer in self.patch:
+            h = state.hidden[layer][0, start:].float()
+            u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
+            return self._code(u, "u")
+        out = {}
+        for kv, x in (("k", state.keys[layer]), ("v", state.values[layer])):
+            z = (_flat(x[:, :, start:]).float() - a.t(f"mu_p.{kv}.{layer}", dev)) @ a.t(f"enc.{kv}.{layer}", dev)
+            out.update(self._code(z, f"z{kv}"))
+        return out
+
+    # ------------------------------------------------------------------ consumer
+    def _uncode(self, tensors, prefix: str, width: int) -> torch.Tensor:
+        try:
+            x = tensors[prefix]
+            x = x.float() if self.meta.code_bits == 16 else dequantize_rows(x, tensors[f"{prefix}_scale"])
+        except KeyError as e:
+            raise InvalidPayload(f"{self.kind} payload lacks tensor {e.args[0]!r}") from None
+        if x.dim() != 2 or x.shape[1] != width:
+            raise InvalidPayload(f"{self.kind} code {prefix!r} has shape {tuple(x.shape)}; expected [T, {width}]")
+        return x
+
+    def _reuse(self, layer, tensors):
+        m = self.ctx.model
+        dev, a = m.device, self.art
+        out = []
+        for kv, r in (("k", self.meta.r_k), ("v", self.meta.r_v)):
+            z = self._uncode(tensors, f"z{kv}", r).to(dev)
+            x = a.t(f"mu_c.{kv}.{layer}", dev) + z @ a.t(f"dec.{kv}.{layer}", dev)
+            out.append(_heads(x, m.n_kv_heads, m.head_dim))
+        return out[0], out[1]
+
+    def _aligner(self, layer) -> Aligner:
+        if layer not in self._aligners:
+            pre = f"align.{layer}."
+            state = {k[len(pre):]: v.float() for k, v in self.art.tensors.items() if k.startswith(pre)}
+            self._aligners[layer] = Aligner.from_state(state).to(self.ctx.model.device)
+        return self._aligners[layer]
+
+    def _patch(self, layer, tensors):
+        u = self._uncode(tensors, "u", self.meta.r_h).to(self.ctx.model.device)
+        with torch.inference_mode():
+            h = self._aligner(layer)(u).unsqueeze(0)
+        return self.ctx.model.regenerate_kv(layer, h)
+
+    def decode_tensors(self, layer, tensors):
+        return self._patch(layer, tensors) if layer in self.patch else self._reuse(layer, tensors)
+
+
+class SCDReuse(SCD):
+    """REUSE at every layer, no PATCH: the ablation that shows what PATCH earns."""
+
+    kind: ClassVar[str] = "scd-reuse"
+
+    class Config(MethodConfig):
+        kind: Literal["scd-reuse"] = "scd-reuse"
+
+    def _patch_set(self, spec: str) -> frozenset[int]:
+        return frozenset()

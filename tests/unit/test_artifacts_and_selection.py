@@ -1,0 +1,63 @@
+"""Artifacts round-trip and refuse tampering; selection finds a planted sensitive layer."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.artifacts import store
+from shared.artifacts.meta import ArtifactMeta
+from shared.calibration.selection import greedy, restore_one
+from shared.errors import DataLoss, FingerprintMismatch, NotFound
+
+
+def _meta(**kw):
+    base = dict(pair="p", producer_fingerprint="aaa", consumer_fingerprint="bbb", n_layers=2, n_kv_heads=1,
+                head_dim=4, hidden_size=8, r_k=2, r_v=2, r_h=2, code_bits=8, center=True, patch_layers=[1],
+                aligner_hidden=4)
+    return ArtifactMeta(**{**base, **kw})
+
+
+def test_artifacts_round_trip_and_tamper_refused(tmp_path):
+    t = {"enc.k.0": torch.randn(4, 2)}
+    folder = store.save(tmp_path, _meta(), t, {"dec.k.0": torch.randn(2, 4)})
+    meta, got = store.load(folder, "producer", "aaa", "bbb")
+    assert meta.patch_layers == [1] and torch.equal(got["enc.k.0"], t["enc.k.0"])
+    with pytest.raises(FingerprintMismatch, match="recalibrate|calibrate"):
+        store.load(folder, "consumer", "aaa", "zzz")
+    data = bytearray((folder / "consumer.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (folder / "consumer.safetensors").write_bytes(bytes(data))
+    with pytest.raises(DataLoss, match="sha256"):
+        store.load(folder, "consumer")
+    with pytest.raises(NotFound, match="scd calibrate"):
+        store.load(tmp_path / "missing", "producer")
+
+
+def test_rewrite_is_atomic_and_leaves_no_temp(tmp_path):
+    store.save(tmp_path, _meta(), {"a": torch.ones(1)}, {"b": torch.ones(1)})
+    store.save(tmp_path, _meta(r_k=3), {"a": torch.zeros(1)}, {"b": torch.ones(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+    assert json.loads((tmp_path / "p" / "meta.json").read_text())["r_k"] == 3
+
+
+def test_greedy_respects_budget_and_stops_without_gain():
+    kl = {frozenset(): 1.0}
+    gains = {0: 0.1, 1: 0.5, 2: 0.0, 3: 0.2}
+    f = lambda s: 1.0 - sum(gains[l] for l in s)  # noqa: E731
+    sens = restore_one([0, 1, 2, 3], 1.0, f, progress=False)
+    assert max(sens, key=sens.get) == 1
+    path = greedy([1, 3, 0, 2], 8, 1.0, f, cost=lambda l: 1.0, progress=False)
+    assert [p["layer"] for p in path] == [1, 3, 0]  # layer 2 brings nothing: the search stops
+    path = greedy([1, 3, 0, 2], 8, 1.0, f, cost=lambda l: {1: 10.0}.get(l, 1.0), progress=False)
+    assert path[0]["layer"] == 3  # gain per unit cost, not gain
+
+
+def test_selection_picks_the_planted_layer(tiny_artifacts):
+    folder, report = tiny_artifacts
+    sens = {s["layer"]: s["gain"] for s in report["sensitivity"]}
+    assert max(sens, key=sens.get) == 2, sens
+    assert store.load_meta(folder).patch_layers == [2]
+    v = report["validation"]
+    assert report["selected_kl"] < v["reuse_only_kl"] and report["selected_kl"] < v["raw_kl"]
