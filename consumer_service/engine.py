@@ -15,7 +15,7 @@ import torch
 
 from consumer_service.settings import ConsumerSettings
 from shared.codecs import CODECS, CodecContext, DecodeJob, DecodeSession, make_method
-from shared.errors import FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
+from shared.errors import ConfigError, FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
 from shared.generation import Generator, Sampling
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
@@ -46,6 +46,9 @@ class ConsumerEngine:
         self.tokenizer = tokenizer
         self.fingerprint = weights_fingerprint(model)
         self.ctx = CodecContext(self.adapter)
+        self.producer_fingerprint = settings.producer_fingerprint
+        if any(CODECS[m].cross_model for m in settings.methods):
+            self._load_artifacts()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"consumer-{settings.name}")
         self.stop_ids = frozenset(self._stop_ids())
         self.prefix_ids: list[int] = []
@@ -53,6 +56,23 @@ class ConsumerEngine:
         self.prefix_values: tuple[torch.Tensor, ...] = ()
         if tokenizer is not None:
             self._prepare_native_prefix()
+
+    def _load_artifacts(self) -> None:
+        """The pair's consumer-side artifacts; they also pin the producer this consumer accepts."""
+        from pathlib import Path
+
+        from shared.artifacts import store
+        from shared.codecs.scd import PairArtifacts
+
+        s = self.settings
+        cross = [m for m in s.methods if CODECS[m].cross_model]
+        if not s.artifact_store:
+            raise ConfigError(f"methods {cross} need calibration artifacts: set artifact_store (or drop them from "
+                              "methods)")
+        meta, tensors = store.load(Path(s.artifact_store) / s.name, "consumer", s.producer_fingerprint,
+                                   self.fingerprint)
+        self.ctx.artifacts = PairArtifacts(meta, tensors, "consumer")
+        self.producer_fingerprint = self.producer_fingerprint or meta.producer_fingerprint
 
     def _stop_ids(self) -> list[int]:
         if self.tokenizer is None:
@@ -94,10 +114,10 @@ class ConsumerEngine:
                 f"method {h.method!r} version {h.method_version} from the producer; this consumer has version "
                 f"{cls.version}: update the older side")
         producer_fp = h.pair_fingerprint.split(":")[0]
-        if s.producer_fingerprint and producer_fp != s.producer_fingerprint:
+        if self.producer_fingerprint and producer_fp != self.producer_fingerprint:
             raise FingerprintMismatch(
                 f"stream made by producer weights {producer_fp!r}; consumer {s.name!r} accepts "
-                f"{s.producer_fingerprint!r}: point the producer at the right model or recalibrate the pair")
+                f"{self.producer_fingerprint!r}: point the producer at the right model or recalibrate the pair")
         n_prompt = len(h.prompt_ids)
         if not 2 <= n_prompt <= s.max_prompt_tokens:
             raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {s.max_prompt_tokens}")

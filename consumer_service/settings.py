@@ -16,11 +16,12 @@ class ConsumerSettings(ServiceSettings):
     model: ModelSettings
     server: ServerSettings = ServerSettings(port=50052)
     artifact_store: str | None = None
-    """Directory (local or a mounted shared volume) holding the pair's calibration artifacts."""
+    """Artifact store directory (local or a mounted shared volume); the pair's artifacts are read
+    from ``<artifact_store>/<name>``. Needed by the cross-model methods (scd, scd-reuse)."""
     producer_fingerprint: str | None = None
     """Weights fingerprint of the producer this consumer accepts streams from; None accepts any
     producer for methods that need no calibration (raw, oracle)."""
-    methods: tuple[str, ...] = ("oracle", "raw")
+    methods: tuple[str, ...] = ("oracle", "raw", "scd-reuse", "scd")
     """Transfer methods this consumer accepts."""
     max_prompt_tokens: int = Field(4096, ge=2)
     max_new_tokens: int = Field(512, ge=1)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
-from shared.errors import InvalidRequest, NotFound, UnknownMethod
+from shared.errors import InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 from shared.rpc import scd_pb2 as pb
@@ -33,13 +33,22 @@ class ProducerEngine:
         self.adapter = ModelAdapter(model)
         self.tokenizer = tokenizer
         self.fingerprint = weights_fingerprint(model)
-        self.ctx = CodecContext(self.adapter)
+        self.ctxs = {name: self._context(name, ep.artifacts) for name, ep in settings.consumers.items()}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="producer")
         self.prefix_ids: list[int] = []
         if tokenizer is not None:
             from shared.data import template_parts
 
             self.prefix_ids = tokenizer(template_parts(tokenizer)[0], add_special_tokens=False)["input_ids"]
+
+    def _context(self, consumer: str, artifacts: str | None) -> CodecContext:
+        if not artifacts:
+            return CodecContext(self.adapter)
+        from shared.artifacts import store
+        from shared.codecs.scd import PairArtifacts
+
+        meta, tensors = store.load(artifacts, "producer", producer_fingerprint=self.fingerprint)
+        return CodecContext(self.adapter, PairArtifacts(meta, tensors, "producer"))
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -54,7 +63,11 @@ class ProducerEngine:
         kind = req.method or s.default_method
         if kind not in s.methods:
             raise UnknownMethod(f"unknown transfer method {kind!r}; this producer offers {list(s.methods)}")
-        method = make_method(kind, self.ctx, dict(req.method_params))
+        ctx = self.ctxs[req.consumer]
+        if CODECS[kind].cross_model and ctx.artifacts is None:
+            raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {req.consumer!r}: run "
+                                     f"`scd calibrate --pair {req.consumer}` and set consumers.{req.consumer}.artifacts")
+        method = make_method(kind, ctx, dict(req.method_params))
         which = req.WhichOneof("prompt")
         if which == "text":
             if not req.text.strip():

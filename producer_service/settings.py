@@ -11,6 +11,8 @@ from shared.config import ModelSettings, ServerSettings, ServiceSettings, _Stric
 class ConsumerEndpoint(_Strict):
     address: str = Field(..., min_length=3)
     """host:port of the consumer's gRPC server."""
+    artifacts: str | None = None
+    """This pair's calibration artifacts folder (e.g. artifacts/store/strong); needed for scd."""
 
 
 class ProducerSettings(ServiceSettings):
@@ -20,8 +22,8 @@ class ProducerSettings(ServiceSettings):
     server: ServerSettings = ServerSettings(port=50051)
     consumers: dict[str, ConsumerEndpoint] = {}
     """Consumers this producer can serve, by name."""
-    default_method: str = "raw"
-    methods: tuple[str, ...] = ("oracle", "raw")
+    default_method: str = "scd"
+    methods: tuple[str, ...] = ("oracle", "raw", "scd-reuse", "scd")
     """Transfer methods this producer offers."""
     max_prompt_tokens: int = Field(4096, ge=2)
     max_prompt_chars: int = Field(64_000, ge=1)

@@ -149,6 +149,7 @@ def serve_consumer(
     model: Optional[str] = typer.Option(None, help="Model folder; default: the prepared model of pair NAME."),
     host: Optional[str] = typer.Option(None),
     port: Optional[int] = typer.Option(None),
+    store: Optional[str] = typer.Option(None, help="Artifact store directory (default: the repo's artifacts/store)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
     set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
@@ -159,11 +160,24 @@ def serve_consumer(
     from consumer_service.settings import ConsumerSettings
     from shared.assets.models import consumer_dir
 
+    from shared.paths import STORE_DIR
+
     server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-    if model is None and not config and not any(o.startswith("model.") for o in set_):
+    quick = not config and not set_
+    if model is None and quick:
         model = str(consumer_dir(name or "strong"))
+    extra = {}
+    if quick:  # no settings file: serve what the store holds for this consumer
+        store_dir = Path(store) if store else STORE_DIR
+        extra["artifact_store"] = str(store_dir)
+        if not (store_dir / (name or "strong") / "meta.json").exists():
+            typer.echo(f"note: no calibration artifacts for consumer {name or 'strong'!r} in {store_dir}; "
+                       "serving oracle and raw only (run `scd calibrate`)", err=True)
+            extra["methods"] = ["oracle", "raw"]
+    elif store:
+        extra["artifact_store"] = store
     s = _load_settings(ConsumerSettings, config, set_, name=name, model={"path": model} if model else None,
-                       server=server or None)
+                       server=server or None, **extra)
     _serve(load_engine, build_server, s)
 
 
@@ -173,6 +187,7 @@ def serve_producer(
     model: Optional[str] = typer.Option(None, help="Model folder; default: the prepared producer."),
     host: Optional[str] = typer.Option(None),
     port: Optional[int] = typer.Option(None),
+    store: Optional[str] = typer.Option(None, help="Artifact store directory (default: the repo's artifacts/store)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
     set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
@@ -183,12 +198,17 @@ def serve_producer(
     from producer_service.settings import ProducerSettings
     from shared.assets.models import producer_dir
 
+    from shared.paths import STORE_DIR
+
+    store_dir = Path(store) if store else STORE_DIR
     consumers = {}
     for c in consumer:
         if "=" not in c:
             raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
         n, addr = c.split("=", 1)
         consumers[n] = {"address": addr}
+        if (store_dir / n / "meta.json").exists():  # the pair's artifacts, when calibrated
+            consumers[n]["artifacts"] = str(store_dir / n)
     server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     if model is None and not config and not any(o.startswith("model.") for o in set_):
         model = str(producer_dir())
@@ -235,7 +255,7 @@ def generate(
 @app.command()
 def demo(
     pair: str = typer.Option("strong"),
-    methods: str = typer.Option("oracle,raw", help="Comma-separated transfer methods."),
+    methods: str = typer.Option("oracle,raw,scd", help="Comma-separated transfer methods."),
     max_new_tokens: int = typer.Option(24),
 ) -> None:
     """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""

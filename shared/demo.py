@@ -50,8 +50,8 @@ def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
             p.wait()
 
 
-def run(pair: str = "strong", methods: tuple[str, ...] = ("oracle", "raw"), max_new_tokens: int = 24,
-        item_index: int = 3) -> dict:
+def run(pair: str = "strong", methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_tokens: int = 24,
+        item_index: int = 0) -> dict:
     from shared.assets.models import load_tokenizer
 
     tok = load_tokenizer()

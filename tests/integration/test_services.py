@@ -19,7 +19,7 @@ PROMPT = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)
 
 
 def _consumer(name, model, **kw):
-    s = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name=name, **kw)
+    s = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name=name, methods=["oracle", "raw"], **kw)
     return ConsumerEngine(s, model)
 
 
@@ -37,7 +37,7 @@ def services(base):
     ]
 
     def make_producer(addresses):
-        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0},
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
                                   consumers={n: {"address": a} for n, a in addresses.items()})
         return ProducerEngine(s, base)
 

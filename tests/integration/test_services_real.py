@@ -15,12 +15,12 @@ def services(real_assets, tokenizer):
     from shared.rpc.inprocess import InProcessServices
 
     base = load_model(producer_dir())
-    cons = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="strong", server={"port": 0}),
+    cons = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="strong", server={"port": 0}, methods=["oracle", "raw"]),
                           load_model(consumer_dir("strong")), tokenizer)
-    same = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="base", server={"port": 0}), base, tokenizer)
+    same = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="base", server={"port": 0}, methods=["oracle", "raw"]), base, tokenizer)
 
     def make_producer(addrs):
-        s = ProducerSettings.load(model={"path": "-"}, server={"port": 0},
+        s = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, default_method="raw",
                                   consumers={n: {"address": a} for n, a in addrs.items()})
         return ProducerEngine(s, base, tokenizer)
 

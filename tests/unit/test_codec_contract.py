@@ -124,7 +124,7 @@ def test_wrong_method_version_and_fingerprint_are_refused(tiny_pair):
     from shared.rpc.wire import PROTOCOL_VERSION
 
     _, consumer = tiny_pair
-    eng = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, producer_fingerprint="abc"), consumer.model)
+    eng = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, producer_fingerprint="abc", methods=["raw"]), consumer.model)
     h = pb.Header(method="raw", method_version=1, protocol_version=PROTOCOL_VERSION, pair_fingerprint="abc:raw",
                   n_layers=consumer.n_layers, n_tokens=len(IDS) - 1, prompt_ids=IDS)
     eng.open(h)
