@@ -42,12 +42,19 @@ def run(pair: str = "strong", n_tokens: int = 1000, methods=("raw",), iters: int
 
         base, cons, tok = load_model(producer_dir()), load_model(consumer_dir(pair)), load_tokenizer()
         prompt = _prompt(tok, n_tokens)
-    cs = ConsumerSettings.load(model={"path": "-"}, name=pair, server={"port": 0}, methods=list(methods))
+    from shared.codecs import CODECS
+    from shared.paths import STORE_DIR
+
+    cross = any(CODECS[m].cross_model for m in methods)
+    store = {"artifact_store": str(STORE_DIR)} if cross else {}
+    cs = ConsumerSettings.load(model={"path": "-"}, name=pair, server={"port": 0}, methods=list(methods), **store)
     consumer = ConsumerEngine(cs, cons, tok)
 
     def make_producer(addrs):
         ps = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, methods=list(methods),
-                                   default_method=methods[0], consumers={n: {"address": a} for n, a in addrs.items()})
+                                   default_method=methods[0],
+                                   consumers={n: {"address": a, **({"artifacts": str(STORE_DIR / n)} if cross else {})}
+                                              for n, a in addrs.items()})
         return ProducerEngine(ps, base, tok)
 
     rows = {}
