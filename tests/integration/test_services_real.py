@@ -15,13 +15,16 @@ def services(real_assets, tokenizer):
     from shared.rpc.inprocess import InProcessServices
 
     base = load_model(producer_dir())
-    cons = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="strong", server={"port": 0}, methods=["oracle", "raw"]),
+    from shared.paths import STORE_DIR
+
+    cons = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="strong", server={"port": 0},
+                                                artifact_store=str(STORE_DIR)),
                           load_model(consumer_dir("strong")), tokenizer)
     same = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="base", server={"port": 0}, methods=["oracle", "raw"]), base, tokenizer)
 
     def make_producer(addrs):
-        s = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, default_method="raw",
-                                  consumers={n: {"address": a} for n, a in addrs.items()})
+        s = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, default_method="raw", consumers={
+            n: {"address": a, **({"artifacts": str(STORE_DIR / n)} if n == "strong" else {})} for n, a in addrs.items()})
         return ProducerEngine(s, base, tokenizer)
 
     with InProcessServices([cons, same], make_producer) as svc:
@@ -50,3 +53,21 @@ def test_native_prefix_cuts_the_payload_and_oracle_matches_local(services, token
     stop = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     n = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
     assert ora.token_ids == ref[:n]
+
+
+def test_committed_scd_artifacts_serve_the_prepared_pair(services):
+    """The committed artifacts match the models `scd assets` builds (fingerprints), and scd streams
+    with under a third of raw's payload."""
+    item = data.load("qa", "test", 2)[1]
+    scd = client.generate(services.producer_address, client.request(item.prompt_ids, "strong", "scd", max_new_tokens=4))
+    raw = client.generate(services.producer_address, client.request(item.prompt_ids, "strong", "raw", max_new_tokens=4))
+    assert scd.timings.method == "scd" and scd.token_ids
+    assert scd.timings.payload_bytes * 3 < raw.timings.payload_bytes
+
+
+def test_scd_needs_artifacts_for_that_consumer(services):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as ei:
+        client.generate(services.producer_address, client.request([1, 2, 3], "base", "scd"))
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "scd calibrate" in ei.value.details()
