@@ -8,6 +8,7 @@ from pydantic import Field, TypeAdapter
 
 from shared.codecs.base import CodecContext, DecodeJob, DecodeSession, MethodConfig, TransferMethod
 from shared.codecs.oracle import Oracle
+from shared.codecs.quantized import QuantKV
 from shared.codecs.raw import RawKV
 from shared.codecs.scd import SCD, SCDReuse
 from shared.errors import InvalidRequest, UnknownMethod
@@ -22,9 +23,9 @@ def _registry(*classes: type[TransferMethod]) -> dict[str, type[TransferMethod]]
     return out
 
 
-CODECS = _registry(Oracle, RawKV, SCDReuse, SCD)
+CODECS = _registry(Oracle, RawKV, QuantKV, SCDReuse, SCD)
 CodecConfig = Annotated[
-    Union[Oracle.Config, RawKV.Config, SCDReuse.Config, SCD.Config], Field(discriminator="kind")
+    Union[Oracle.Config, RawKV.Config, QuantKV.Config, SCDReuse.Config, SCD.Config], Field(discriminator="kind")
 ]
 _ADAPTER = TypeAdapter(CodecConfig)
 
@@ -33,10 +34,24 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
     """Validate a method's settings from string parameters (as they arrive on the wire)."""
     if kind not in CODECS:
         raise UnknownMethod(f"unknown transfer method {kind!r}; expected one of {sorted(CODECS)}")
+    values = {k: _scalar(v) for k, v in (params or {}).items()}
     try:
-        return CODECS[kind].Config.model_validate({"kind": kind, **(params or {})})
+        return CODECS[kind].Config.model_validate({"kind": kind, **values})
     except Exception as e:  # pydantic ValidationError: say which field and what is allowed
         raise InvalidRequest(f"invalid settings for method {kind!r}: {e}".replace("\n", "; ")) from None
+
+
+def _scalar(v):
+    """Wire parameters are strings: read numbers and booleans back ("4" -> 4, "true" -> True)."""
+    if not isinstance(v, str):
+        return v
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(v)
+    except yaml.YAMLError:
+        return v
+    return parsed if isinstance(parsed, (int, float, bool)) else v
 
 
 def make_method(kind: str, ctx: CodecContext, params: dict[str, str] | None = None) -> TransferMethod:

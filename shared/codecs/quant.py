@@ -15,3 +15,38 @@ def quantize_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()
+
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes (0..15) per byte; the input's element count must be even."""
+    flat = q.reshape(-1).to(torch.uint8)
+    return (flat[0::2] | (flat[1::2] << 4)).contiguous()
+
+
+def unpack4(p: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.empty(p.numel() * 2, dtype=torch.uint8, device=p.device)
+    out[0::2], out[1::2] = p & 0x0F, p >> 4
+    return out[:n]
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of x [T, C] in groups of ``group`` along ``axis`` (0: groups
+    of tokens per channel, KIVI's keys; 1: groups of channels per token, KIVI's values).
+
+    Returns (codes uint8 [T, C] in 0..2^bits-1, scale fp16, zero fp16), scale/zero broadcastable
+    over the grouped layout. T (axis 0) or C (axis 1) must be a multiple of ``group``."""
+    t, c = x.shape
+    xg = x.reshape(t // group, group, c) if axis == 0 else x.reshape(t, c // group, group)
+    red = 1 if axis == 0 else 2
+    lo, hi = xg.amin(red, keepdim=True), xg.amax(red, keepdim=True)
+    levels = 2**bits - 1
+    scale = ((hi - lo) / levels).clamp_min(1e-8).to(torch.float16)
+    zero = lo.to(torch.float16)
+    q = torch.round((xg - zero.float()) / scale.float()).clamp(0, levels).to(torch.uint8)
+    return q.reshape(t, c), scale, zero
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, axis: int) -> torch.Tensor:
+    t, c = q.shape
+    qg = q.reshape(t // group, group, c) if axis == 0 else q.reshape(t, c // group, group)
+    return (qg.float() * scale.float() + zero.float()).reshape(t, c)

@@ -11,7 +11,7 @@ from shared.codecs.scd import PairArtifacts
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import FrameDecoder, StreamTotals, layer_frames
 
-IDS = torch.randint(0, 256, (41,), generator=torch.Generator().manual_seed(9)).tolist()
+IDS = torch.randint(0, 256, (161,), generator=torch.Generator().manual_seed(9)).tolist()
 
 
 def test_registry_keys_match_config_union():
@@ -93,9 +93,9 @@ def test_cross_model_methods_beat_raw_against_the_consumers_own_cache(kind, cont
     raw, _, _ = _transfer("raw", pctx, cctx, params={"dtype": "float32"})
     native = cctx.model.own_cache(IDS[:-1])
 
-    def err(c):
+    def err(c):  # over the layers the tiny pair's planted change (layer 2) drifts; 0-1 are identical
         return sum(float((c.layers[l].values - native.layers[l].values).norm() / native.layers[l].values.norm())
-                   for l in range(cctx.model.n_layers))
+                   for l in range(2, cctx.model.n_layers))
 
     assert err(cache) < err(raw), (err(cache), err(raw))
 
