@@ -47,8 +47,11 @@ class ConsumerEngine:
         self.fingerprint = weights_fingerprint(model)
         self.ctx = CodecContext(self.adapter)
         self.producer_fingerprint = settings.producer_fingerprint
-        if any(CODECS[m].cross_model for m in settings.methods):
+        if any("artifacts" in CODECS[m].requires for m in settings.methods):
             self._load_artifacts()
+        for m in settings.methods:
+            if "profile" in CODECS[m].requires:
+                self._load_profile(m)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"consumer-{settings.name}")
         self.stop_ids = frozenset(self._stop_ids())
         self.prefix_ids: list[int] = []
@@ -65,7 +68,7 @@ class ConsumerEngine:
         from shared.codecs.scd import PairArtifacts
 
         s = self.settings
-        cross = [m for m in s.methods if CODECS[m].cross_model]
+        cross = [m for m in s.methods if "artifacts" in CODECS[m].requires]
         if not s.artifact_store:
             raise ConfigError(f"methods {cross} need calibration artifacts: set artifact_store (or drop them from "
                               "methods)")
@@ -73,6 +76,14 @@ class ConsumerEngine:
                                    self.fingerprint)
         self.ctx.artifacts = PairArtifacts(meta, tensors, "consumer")
         self.producer_fingerprint = self.producer_fingerprint or meta.producer_fingerprint
+
+    def _load_profile(self, kind: str) -> None:
+        from shared.artifacts import store
+
+        if not self.settings.artifact_store:
+            raise ConfigError(f"method {kind!r} needs its profile from the artifact store: set artifact_store")
+        self.ctx.profiles[kind] = store.load_profile(self.settings.artifact_store, self.settings.name, kind,
+                                                     self.settings.producer_fingerprint, self.fingerprint)
 
     def _stop_ids(self) -> list[int]:
         if self.tokenizer is None:

@@ -42,13 +42,24 @@ class ProducerEngine:
             self.prefix_ids = tokenizer(template_parts(tokenizer)[0], add_special_tokens=False)["input_ids"]
 
     def _context(self, consumer: str, artifacts: str | None) -> CodecContext:
+        """The codec context for one consumer: the pair's SCD artifacts and baseline profiles found in
+        its artifacts folder (``<store>/<pair>``) and beside it (``<store>/<pair>.<kind>.json``)."""
         if not artifacts:
             return CodecContext(self.adapter)
+        from pathlib import Path
+
         from shared.artifacts import store
         from shared.codecs.scd import PairArtifacts
 
-        meta, tensors = store.load(artifacts, "producer", producer_fingerprint=self.fingerprint)
-        return CodecContext(self.adapter, PairArtifacts(meta, tensors, "producer"))
+        ctx = CodecContext(self.adapter)
+        folder = Path(artifacts)
+        if (folder / "meta.json").exists():
+            meta, tensors = store.load(folder, "producer", producer_fingerprint=self.fingerprint)
+            ctx.artifacts = PairArtifacts(meta, tensors, "producer")
+        for kind in ("droidspeak",):
+            if (folder.parent / f"{folder.name}.{kind}.json").exists():
+                ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, self.fingerprint)
+        return ctx
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -64,9 +75,12 @@ class ProducerEngine:
         if kind not in s.methods:
             raise UnknownMethod(f"unknown transfer method {kind!r}; this producer offers {list(s.methods)}")
         ctx = self.ctxs[req.consumer]
-        if CODECS[kind].cross_model and ctx.artifacts is None:
+        req_ = CODECS[kind].requires
+        if ("artifacts" in req_ and ctx.artifacts is None) or ("profile" in req_ and kind not in ctx.profiles):
+            how = f"--method {kind}" if "profile" in req_ else ""
             raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {req.consumer!r}: run "
-                                     f"`scd calibrate --pair {req.consumer}` and set consumers.{req.consumer}.artifacts")
+                                     f"`scd calibrate --pair {req.consumer} {how}`".rstrip() +
+                                     f" and set consumers.{req.consumer}.artifacts")
         method = make_method(kind, ctx, dict(req.method_params))
         which = req.WhichOneof("prompt")
         if which == "text":

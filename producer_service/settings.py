@@ -23,7 +23,7 @@ class ProducerSettings(ServiceSettings):
     consumers: dict[str, ConsumerEndpoint] = {}
     """Consumers this producer can serve, by name."""
     default_method: str = "scd"
-    methods: tuple[str, ...] = ("oracle", "raw", "scd-reuse", "scd")
+    methods: tuple[str, ...] = ("oracle", "raw", "quant", "scd-reuse", "scd")
     """Transfer methods this producer offers."""
     max_prompt_tokens: int = Field(4096, ge=2)
     max_prompt_chars: int = Field(64_000, ge=1)

@@ -170,10 +170,15 @@ def serve_consumer(
     if quick:  # no settings file: serve what the store holds for this consumer
         store_dir = Path(store) if store else STORE_DIR
         extra["artifact_store"] = str(store_dir)
-        if not (store_dir / (name or "strong") / "meta.json").exists():
-            typer.echo(f"note: no calibration artifacts for consumer {name or 'strong'!r} in {store_dir}; "
-                       "serving oracle and raw only (run `scd calibrate`)", err=True)
-            extra["methods"] = ["oracle", "raw"]
+        methods = ["oracle", "raw", "quant"]
+        if (store_dir / (name or "strong") / "meta.json").exists():
+            methods += ["scd-reuse", "scd"]
+        else:
+            typer.echo(f"note: no SCD artifacts for consumer {name or 'strong'!r} in {store_dir} "
+                       "(run `scd calibrate`): scd is not served", err=True)
+        if (store_dir / f"{name or 'strong'}.droidspeak.json").exists():
+            methods.append("droidspeak")
+        extra["methods"] = methods
     elif store:
         extra["artifact_store"] = store
     s = _load_settings(ConsumerSettings, config, set_, name=name, model={"path": model} if model else None,
@@ -296,11 +301,13 @@ def calibrate(
     out: Path = typer.Option(Path("artifacts/store"), help="Artifact store directory."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Calibrate on your own prompts (JSONL)."),
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_k=64 (repeatable)."),
+    method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts) or droidspeak (recompute-block profile)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
 ) -> None:
-    """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store."""
+    """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store, or
+    profile DroidSpeak's recompute blocks (--method droidspeak)."""
     _setup_logging(verbose)
     import yaml
 
@@ -314,17 +321,30 @@ def calibrate(
         k, v = item.split("=", 1)
         overrides[k] = yaml.safe_load(v)
     try:
-        cfg = CalibrationSettings(pair=pair, **overrides)
+        cfg = CalibrationSettings(pair=pair, **overrides) if method == "scd" else None
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     producer, consumer, tok = _pair_models(pair, device, dtype)
+    val = [(it.prompt_ids, it.prefix_len) for it in data.load("qa", "validation")]
+    if method == "droidspeak":
+        from shared.artifacts import store
+        from shared.calibration.droidspeak import profile
+        from shared.model.fingerprint import weights_fingerprint
+
+        prof = profile(producer, consumer, val, **overrides)
+        path = store.save_profile(out, pair, "droidspeak", prof, weights_fingerprint(producer.model),
+                                  weights_fingerprint(consumer.model))
+        typer.echo(f"droidspeak blocks {prof['blocks']} written to {path}")
+        typer.echo(json.dumps(prof["report"]))
+        return
+    if method != "scd":
+        raise typer.BadParameter(f"expected one of ['droidspeak', 'scd'], got {method!r}")
     if data_file:
         cal = [it.prompt_ids for it in data.load_jsonl_prompts(data_file, tok)]
     else:  # interleave QA and LM calibration prompts
         qa, lm = data.load("qa", "calibration"), data.load("lm", "calibration")
         cal = [x.prompt_ids for pair_ in zip(qa, lm) for x in pair_] + [x.prompt_ids for x in qa[len(lm):]]
-    val = [(it.prompt_ids, it.prefix_len) for it in data.load("qa", "validation")]
     folder, report = run(producer, consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]))
     v = report["validation"]
     typer.echo(f"artifacts written to {folder}")
@@ -383,11 +403,20 @@ def eval_(
         pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
     from shared.eval.harness import oracle
 
+    if "droidspeak" in names and params.get("droidspeak", {}).get("blocks", "auto") == "auto":
+        try:
+            prof = store.load_profile(store_dir, pair, "droidspeak", weights_fingerprint(producer.model),
+                                      weights_fingerprint(consumer.model))
+        except SCDError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        pctx.profiles["droidspeak"] = cctx.profiles["droidspeak"] = prof
     runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}
-    hidden = sorted({l for m in names for l in CODECS[m](CODECS[m].Config(), pctx).hidden_layers()}) if pctx.artifacts \
-        else []
+    hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
+    residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
     items = data.load_jsonl_prompts(data_file, tok)[:n] if data_file else data.load("qa", "test", n)
-    res = evaluate(producer, consumer, tok, items, runners, native_prefix == "on", hidden_layers=hidden)
+    res = evaluate(producer, consumer, tok, items, runners, native_prefix == "on", hidden_layers=hidden,
+                   residual_layers=residual)
     res.update(pair=pair, native_prefix=native_prefix, n=len(items), seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(items)}")
     if json_out:

@@ -55,3 +55,14 @@ def tiny_artifacts(tiny_pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("store")
     folder, report = calibrate(producer, consumer, prompts, val, cfg, str(out), "test", progress=False)
     return folder, report
+
+
+@pytest.fixture(scope="session")
+def tiny_droidspeak(tiny_pair):
+    """DroidSpeak's recompute blocks profiled on the tiny pair (the real profiler, small settings)."""
+    from shared.calibration.droidspeak import profile
+
+    producer, consumer = tiny_pair
+    g = torch.Generator().manual_seed(12)
+    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
+    return profile(producer, consumer, val, budget_layers=2, block_len=2, n_val=3, progress=False)

@@ -98,3 +98,32 @@ def describe(folder: str | Path) -> dict:
     sizes = {n: (Path(folder) / n).stat().st_size for n in meta.files}
     return {"pair": meta.pair, "patch_layers": meta.patch_layers, "r_k": meta.r_k, "r_v": meta.r_v,
             "r_h": meta.r_h, "bytes": sizes, "report_keys": sorted(meta.report), "json": json.dumps(meta.calibration)}
+
+
+def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, producer_fingerprint: str,
+                 consumer_fingerprint: str) -> Path:
+    """A small JSON artifact of a baseline (e.g. DroidSpeak's recompute blocks), written atomically
+    beside the pair's SCD artifacts: ``<store>/<pair>.<kind>.json``, pinned to both models."""
+    store_dir = Path(store_dir)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    path = store_dir / f"{pair}.{kind}.json"
+    body = {"pair": pair, "kind": kind, "format_version": FORMAT_VERSION, "producer_fingerprint": producer_fingerprint,
+            "consumer_fingerprint": consumer_fingerprint, **payload}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=store_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(body, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerprint: str | None = None,
+                 consumer_fingerprint: str | None = None) -> dict:
+    path = Path(store_dir) / f"{pair}.{kind}.json"
+    if not path.exists():
+        raise NotFound(f"no {kind} profile at {path}: run `scd calibrate --pair {pair} --method {kind}`")
+    body = json.loads(path.read_text())
+    for who, want in (("producer", producer_fingerprint), ("consumer", consumer_fingerprint)):
+        if want is not None and body.get(f"{who}_fingerprint") != want:
+            raise FingerprintMismatch(f"{path} was profiled for {who} weights {body.get(f'{who}_fingerprint')!r}, "
+                                      f"not {want!r}: rerun `scd calibrate --pair {pair} --method {kind}`")
+    return body

@@ -11,6 +11,7 @@ from shared.codecs.oracle import Oracle
 from shared.codecs.quantized import QuantKV
 from shared.codecs.raw import RawKV
 from shared.codecs.scd import SCD, SCDReuse
+from shared.codecs.selective_recompute import DroidSpeak
 from shared.errors import InvalidRequest, UnknownMethod
 
 
@@ -23,9 +24,9 @@ def _registry(*classes: type[TransferMethod]) -> dict[str, type[TransferMethod]]
     return out
 
 
-CODECS = _registry(Oracle, RawKV, QuantKV, SCDReuse, SCD)
+CODECS = _registry(Oracle, RawKV, QuantKV, DroidSpeak, SCDReuse, SCD)
 CodecConfig = Annotated[
-    Union[Oracle.Config, RawKV.Config, QuantKV.Config, SCDReuse.Config, SCD.Config], Field(discriminator="kind")
+    Union[Oracle.Config, RawKV.Config, QuantKV.Config, DroidSpeak.Config, SCDReuse.Config, SCD.Config], Field(discriminator="kind")
 ]
 _ADAPTER = TypeAdapter(CodecConfig)
 

@@ -41,6 +41,7 @@ class CodecContext:
 
     model: ModelAdapter
     artifacts: object | None = None
+    profiles: dict = field(default_factory=dict)  # small per-pair baseline artifacts, by method kind
 
 
 @dataclass
@@ -107,6 +108,7 @@ class TransferMethod(ABC):
     transfers_layers: ClassVar[bool] = True  # False: only token ids cross (the Oracle)
     compressive: ClassVar[bool] = False  # promises fewer bytes than raw fp16 K/V
     cross_model: ClassVar[bool] = False  # maps into the consumer's space (needs the pair's artifacts)
+    requires: ClassVar[frozenset[str]] = frozenset()  # "artifacts" (SCD store) and/or "profile" (a baseline's JSON)
     Config: ClassVar[type[MethodConfig]]
     Session: ClassVar[type[DecodeSession]] = DecodeSession
 

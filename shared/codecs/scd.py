@@ -53,6 +53,7 @@ class SCD(TransferMethod):
     kind: ClassVar[str] = "scd"
     compressive: ClassVar[bool] = True
     cross_model: ClassVar[bool] = True
+    requires: ClassVar[frozenset[str]] = frozenset({"artifacts"})
 
     class Config(MethodConfig):
         kind: Literal["scd"] = "scd"

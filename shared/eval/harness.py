@@ -181,8 +181,9 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
         nbytes, enc_ms, rec_ms = 4 * len(ctx.item.prompt_ids), 0.0, 0.0
         if enc.transfers_layers:
             state = ctx.producer
-            if enc.hidden_layers() and not set(enc.hidden_layers()) <= set(state.hidden):
-                raise ValueError(f"{kind} needs hidden states of layers {enc.hidden_layers()}; pass hidden_layers")
+            if not (set(enc.hidden_layers()) <= set(state.hidden) and set(enc.residual_layers()) <= set(state.residual)):
+                raise ValueError(f"{kind} needs hidden/residual states of layers {enc.hidden_layers()} / "
+                                 f"{enc.residual_layers()}; pass them to evaluate()")
             for layer in range(consumer.n_layers):
                 t0 = time.perf_counter()
                 tensors = enc.encode_layer(state, layer, start)
@@ -197,4 +198,5 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
         rec_ms += (time.perf_counter() - t0) * 1e3
         return MethodResult(cache, bytes=nbytes, encode_ms=enc_ms, reconstruct_ms=rec_ms)
 
+    run.hidden_layers, run.residual_layers = enc.hidden_layers(), enc.residual_layers()
     return run

@@ -20,19 +20,19 @@ def test_registry_keys_match_config_union():
 
 
 @pytest.fixture(scope="module")
-def contexts(tiny_pair, tiny_artifacts):
+def contexts(tiny_pair, tiny_artifacts, tiny_droidspeak):
     producer, consumer = tiny_pair
     folder, _ = tiny_artifacts
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
-    return (CodecContext(producer, PairArtifacts(meta, pt, "producer")),
-            CodecContext(consumer, PairArtifacts(meta, ct, "consumer")))
+    return (CodecContext(producer, PairArtifacts(meta, pt, "producer"), {"droidspeak": tiny_droidspeak}),
+            CodecContext(consumer, PairArtifacts(meta, ct, "consumer"), {"droidspeak": tiny_droidspeak}))
 
 
 def _transfer(kind, pctx, cctx, start=0, params=None):
     """encode every layer -> frames -> decoder -> decode; returns (cache, payload bytes, encoded)."""
     enc, dec = make_method(kind, pctx, params), make_method(kind, cctx, params)
-    state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers())
+    state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers(), residual_layers=enc.residual_layers())
     own = cctx.model.prefill(IDS[:-1])
     job = DecodeJob(IDS, len(IDS) - 1, start, tuple(k[:, :, :start] for k in own.keys),
                     tuple(v[:, :, :start] for v in own.values))
@@ -137,3 +137,19 @@ def test_wrong_method_version_and_fingerprint_are_refused(tiny_pair):
         with pytest.raises(exc, match=says):
             eng.open(bad)
     eng.close()
+
+
+def test_droidspeak_profile_recomputes_the_planted_layer(tiny_droidspeak):
+    (a, b), = tiny_droidspeak["blocks"]
+    assert a <= 2 < b and tiny_droidspeak["report"]["kl"] < tiny_droidspeak["report"]["raw_kl"]
+
+
+def test_droidspeak_recompute_is_exact_between_identical_models(contexts):
+    """Same model both sides: the recomputed block equals the native cache (fp16 on the wire)."""
+    pctx, _ = contexts
+    same = CodecContext(pctx.model)
+    cache, nbytes, _ = _transfer("droidspeak", same, same, params={"blocks": "1-3"})
+    native = same.model.own_cache(IDS[:-1])
+    for layer in (1, 2):
+        err = float((cache.layers[layer].values - native.layers[layer].values).norm() / native.layers[layer].values.norm())
+        assert err < 5e-3, err

@@ -1,0 +1,98 @@
+"""``droidspeak``: DroidSpeak-style selective recompute. The producer's raw K/V (fp16) cross for
+most layers; for each contiguous recompute block [a, b) the producer sends its residual-stream
+state at the block entry instead, and the consumer runs its *own* layers a..b-1 over it to get
+native K/V there. Blocks come from offline profiling on the validation split (an artifact of the
+pair) or from the ``blocks`` setting."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+
+from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.errors import ConfigError, InvalidPayload, InvalidRequest
+
+
+def parse_blocks(spec: str, n_layers: int) -> list[tuple[int, int]]:
+    """"3-6,10-12" -> [(3, 6), (10, 12)] (end exclusive), validated and non-overlapping."""
+    blocks = []
+    for part in (p for p in spec.split(",") if p.strip()):
+        try:
+            a, b = (int(x) for x in part.split("-"))
+        except ValueError:
+            raise InvalidRequest(f"blocks must look like 3-6,10-12 (end exclusive); got {spec!r}") from None
+        if not 0 <= a < b <= n_layers:
+            raise InvalidRequest(f"block {a}-{b} is outside 0..{n_layers}")
+        blocks.append((a, b))
+    blocks.sort()
+    if any(b1 > a2 for (_, b1), (a2, _) in zip(blocks, blocks[1:])):
+        raise InvalidRequest(f"blocks overlap: {spec!r}")
+    return blocks
+
+
+class DroidSpeakSession(DecodeSession):
+    def __init__(self, method, job):
+        super().__init__(method, job)
+        self._block_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def decode_layer(self, layer, tensors):
+        if layer in self._block_kv:
+            return self._block_kv.pop(layer)
+        block = self.method.block_at(layer)
+        if block is None:
+            try:
+                return tensors["k"], tensors["v"]
+            except KeyError as e:
+                raise InvalidPayload(f"droidspeak layer {layer} lacks tensor {e.args[0]!r}") from None
+        a, b = block
+        if "h" not in tensors:
+            raise InvalidPayload(f"droidspeak block {a}-{b} entry lacks its hidden state 'h'")
+        h = tensors["h"]
+        if h.dim() != 2 or h.shape != (self.job.n_tokens, self.model.hidden_size):
+            raise InvalidPayload(f"droidspeak hidden state has shape {tuple(h.shape)}; expected "
+                                 f"({self.job.n_tokens}, {self.model.hidden_size})")
+        _, ks, vs = self.model.run_layers(h.unsqueeze(0), a, b)
+        s = self.job.start
+        for i, layer_i in enumerate(range(a, b)):
+            self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
+        return self._block_kv.pop(layer)
+
+
+class DroidSpeak(TransferMethod):
+    kind: ClassVar[str] = "droidspeak"
+    cross_model: ClassVar[bool] = True
+    requires: ClassVar[frozenset[str]] = frozenset({"profile"})
+
+    class Config(MethodConfig):
+        kind: Literal["droidspeak"] = "droidspeak"
+        blocks: str = "auto"
+        """``auto``: the blocks profiled for the pair; or explicit ``a-b,c-d`` (end exclusive)."""
+
+    Session = DroidSpeakSession
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        n = ctx.model.n_layers
+        if cfg.blocks == "auto":
+            prof = ctx.profiles.get("droidspeak")
+            if prof is None:
+                raise ConfigError("droidspeak needs the pair's profiled blocks (scd calibrate --method droidspeak) "
+                                  "or an explicit blocks setting")
+            self.blocks = [tuple(b) for b in prof["blocks"]]
+        else:
+            self.blocks = parse_blocks(cfg.blocks, n)
+
+    def block_at(self, layer: int):
+        return next(((a, b) for a, b in self.blocks if a <= layer < b), None)
+
+    def residual_layers(self) -> tuple[int, ...]:
+        return tuple(a for a, _ in self.blocks)
+
+    def encode_layer(self, state, layer, start):
+        block = self.block_at(layer)
+        if block is None:
+            return {"k": state.keys[layer][:, :, start:].half(), "v": state.values[layer][:, :, start:].half()}
+        if layer == block[0]:  # the whole prompt: the consumer's recompute attends to every position
+            return {"h": state.residual[layer][0].half()}
+        return {"skip": torch.zeros(0, dtype=torch.uint8)}
