@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets test test-all demo proto clean-venv bench-overlap
+.PHONY: install assets test test-all demo proto clean-venv bench-overlap calibrate eval
 
 install: $(STAMP)
 
@@ -40,3 +40,10 @@ demo: install assets
 
 bench-overlap: install assets
 	$(SCD) bench-overlap --pair strong --tokens 1000 --methods raw
+
+calibrate: install assets
+	$(SCD) calibrate --pair strong --out artifacts/store
+	$(SCD) calibrate --pair strong --method droidspeak --out artifacts/store
+
+eval: install assets
+	$(SCD) eval --pair strong --methods oracle,raw,quant,droidspeak,scd-reuse,scd --n 48 --json results/eval_all_strong_on.json

@@ -363,6 +363,7 @@ def eval_(
     data_file: Optional[Path] = typer.Option(None, "--data", help="Evaluate on your own prompts (JSONL)."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
+    sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
 ) -> None:
@@ -411,7 +412,15 @@ def eval_(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         pctx.profiles["droidspeak"] = cctx.profiles["droidspeak"] = prof
-    runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}
+    if sweep:
+        from shared.eval import sweep as sw
+
+        ds = pctx.profiles.get("droidspeak", {}).get("blocks")
+        pl = pctx.artifacts.meta.patch_layers if pctx.artifacts else None
+        pts = sw.points(names, ds, pl)
+        runners = {lab: oracle if kind == "oracle" else codec_method(kind, pctx, cctx, prm) for lab, kind, prm in pts}
+    else:
+        runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
     residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
     items = data.load_jsonl_prompts(data_file, tok)[:n] if data_file else data.load("qa", "test", n)
@@ -419,6 +428,10 @@ def eval_(
                    residual_layers=residual)
     res.update(pair=pair, native_prefix=native_prefix, n=len(items), seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(items)}")
+    if sweep:
+        target = json_out.with_name(json_out.stem + ".sweep.json") if json_out else Path("sweep.json")
+        body = sw.write(res["methods"], target, f"{pair}, native prefix {native_prefix}, n={len(items)}")
+        typer.echo(f"pareto frontier: {body['pareto']}; points in {target}, plot in {body['png']}")
     if json_out:
         json_out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps({"pair": pair, "native_prefix": native_prefix, "n": len(items),

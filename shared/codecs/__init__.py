@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Union
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, ValidationError
 
 from shared.codecs.base import CodecContext, DecodeJob, DecodeSession, MethodConfig, TransferMethod
 from shared.codecs.oracle import Oracle
@@ -35,11 +35,15 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
     """Validate a method's settings from string parameters (as they arrive on the wire)."""
     if kind not in CODECS:
         raise UnknownMethod(f"unknown transfer method {kind!r}; expected one of {sorted(CODECS)}")
-    values = {k: _scalar(v) for k, v in (params or {}).items()}
-    try:
-        return CODECS[kind].Config.model_validate({"kind": kind, **values})
-    except Exception as e:  # pydantic ValidationError: say which field and what is allowed
-        raise InvalidRequest(f"invalid settings for method {kind!r}: {e}".replace("\n", "; ")) from None
+    cls = CODECS[kind].Config
+    params = params or {}
+    try:  # as strings first (string fields such as patch_layers="3"), then numbers read back
+        return cls.model_validate({"kind": kind, **params})
+    except ValidationError as first:
+        try:
+            return cls.model_validate({"kind": kind, **{k: _scalar(v) for k, v in params.items()}})
+        except ValidationError:
+            raise InvalidRequest(f"invalid settings for method {kind!r}: {first}".replace("\n", "; ")) from None
 
 
 def _scalar(v):
