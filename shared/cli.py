@@ -350,6 +350,10 @@ def calibrate(
     typer.echo(f"artifacts written to {folder}")
     typer.echo(f"validation KL: raw {v['raw_kl']:.4f} | REUSE only {v['reuse_only_kl']:.4f} | "
                f"SCD {report['selected_kl']:.4f}; patch layers {[p['layer'] for p in report['greedy_path'][:cfg.budget_k]]}")
+    if report["selected_kl"] >= v["raw_kl"]:
+        typer.echo(f"warning: on validation SCD is worse than raw transfer for pair {pair!r} (KL "
+                   f"{report['selected_kl']:.4f} vs {v['raw_kl']:.4f}): its caches barely drift and the lossy code "
+                   "costs more than it corrects; serve raw or quant to this consumer", err=True)
     typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "validation": v, "selected_kl": report["selected_kl"]}))
 
 
