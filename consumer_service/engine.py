@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from consumer_service.settings import ConsumerSettings
-from shared.codecs import CODECS, CodecContext, DecodeJob, DecodeSession, make_method
+from shared.codecs import CODECS, CodecContext, check_enabled, DecodeJob, DecodeSession, make_method
 from shared.errors import ConfigError, FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
 from shared.generation import Generator, Sampling
 from shared.model.fingerprint import weights_fingerprint
@@ -38,9 +38,7 @@ class Request:
 
 class ConsumerEngine:
     def __init__(self, settings: ConsumerSettings, model, tokenizer=None):
-        for m in settings.methods:
-            if m not in CODECS:
-                raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted(CODECS)}")
+        check_enabled(settings.methods)
         self.settings = settings
         self.adapter = ModelAdapter(model)
         self.tokenizer = tokenizer

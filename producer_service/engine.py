@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
-from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
+from shared.codecs import CODECS, CodecContext, check_enabled, TransferMethod, make_method
 from shared.errors import InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter, PrefillState
@@ -26,9 +26,7 @@ class Prepared:
 
 class ProducerEngine:
     def __init__(self, settings: ProducerSettings, model, tokenizer=None):
-        for m in settings.methods:
-            if m not in CODECS:
-                raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted(CODECS)}")
+        check_enabled(settings.methods)
         self.settings = settings
         self.adapter = ModelAdapter(model)
         self.tokenizer = tokenizer

@@ -13,7 +13,7 @@ from shared.calibration.linalg import ReuseMap
 from shared.calibration.traces import flat
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.eval.metrics import kl_top1
-from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache
+from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache, from_rows
 
 
 def roundtrip(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -25,7 +25,7 @@ def roundtrip(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def heads(x: torch.Tensor, model: ModelAdapter) -> torch.Tensor:
-    return x.reshape(x.shape[0], model.n_kv_heads, model.head_dim).transpose(0, 1).unsqueeze(0)
+    return from_rows(x, model.n_kv_heads, model.head_dim)
 
 
 @dataclass

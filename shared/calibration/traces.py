@@ -9,12 +9,7 @@ import torch
 from tqdm import tqdm
 
 from shared.calibration.linalg import Moments
-from shared.model.hf_adapter import ModelAdapter
-
-
-def flat(x: torch.Tensor) -> torch.Tensor:
-    """[1, H, T, D] -> [T, H*D]."""
-    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
+from shared.model.hf_adapter import ModelAdapter, to_rows as flat
 
 
 @dataclass

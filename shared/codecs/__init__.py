@@ -46,6 +46,13 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
             raise InvalidRequest(f"invalid settings for method {kind!r}: {first}".replace("\n", "; ")) from None
 
 
+def check_enabled(methods) -> None:
+    """Fail fast at start-up on a settings list naming an unregistered method."""
+    for m in methods:
+        if m not in CODECS:
+            raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted(CODECS)}")
+
+
 def _scalar(v):
     """Wire parameters are strings: read numbers and booleans back ("4" -> 4, "true" -> True)."""
     if not isinstance(v, str):
@@ -64,4 +71,4 @@ def make_method(kind: str, ctx: CodecContext, params: dict[str, str] | None = No
 
 
 __all__ = ["CODECS", "CodecConfig", "CodecContext", "DecodeJob", "DecodeSession", "MethodConfig",
-           "TransferMethod", "make_method", "method_config"]
+           "TransferMethod", "check_enabled", "make_method", "method_config"]

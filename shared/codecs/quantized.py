@@ -12,14 +12,9 @@ from pydantic import Field
 from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
 from shared.errors import InvalidPayload
+from shared.model.hf_adapter import from_rows, to_rows
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [T, H*D]
-    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
-
-
-def _heads(x: torch.Tensor, h: int, d: int) -> torch.Tensor:
-    return x.reshape(x.shape[0], h, d).transpose(0, 1).unsqueeze(0)
 
 
 class QuantSession(DecodeSession):
@@ -51,7 +46,7 @@ class QuantKV(TransferMethod):
         out = {}
         g, bits = self.cfg.group_size, self.cfg.bits
         for name, x, axis in (("k", state.keys[layer], 0), ("v", state.values[layer], 1)):
-            x = _flat(x[:, :, start:]).float()
+            x = to_rows(x[:, :, start:]).float()
             nq = self._split(x.shape[0])
             if x.shape[1] % g and axis == 1:
                 raise ValueError(f"value width {x.shape[1]} is not a multiple of group_size {g}")
@@ -80,7 +75,7 @@ class QuantKV(TransferMethod):
                 x = torch.cat([dequantize_groups(q, s, z, g, axis), res.float()], 0)
             except RuntimeError as e:
                 raise InvalidPayload(f"quant layer {layer} {name}: scales do not fit the codes ({e})") from None
-            out.append(_heads(x, m.n_kv_heads, m.head_dim))
+            out.append(from_rows(x, m.n_kv_heads, m.head_dim))
         return out[0], out[1]
 
     def error_bound(self) -> float:

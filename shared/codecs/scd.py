@@ -22,6 +22,7 @@ from shared.codecs.aligner import Aligner
 from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
+from shared.model.hf_adapter import from_rows, to_rows
 
 
 @dataclass
@@ -36,12 +37,6 @@ class PairArtifacts:
         return self.tensors[name].to(device, dtype)
 
 
-def _flat(x: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [T, H*D]
-    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
-
-
-def _heads(x: torch.Tensor, h: int, d: int) -> torch.Tensor:  # [T, H*D] -> [1, H, T, D]
-    return x.reshape(x.shape[0], h, d).transpose(0, 1).unsqueeze(0)
 
 
 class SCDSession(DecodeSession):
@@ -105,7 +100,7 @@ class SCD(TransferMethod):
             return self._code(u, "u")
         out = {}
         for kv, x in (("k", state.keys[layer]), ("v", state.values[layer])):
-            z = (_flat(x[:, :, start:]).float() - a.t(f"mu_p.{kv}.{layer}", dev)) @ a.t(f"enc.{kv}.{layer}", dev)
+            z = (to_rows(x[:, :, start:]).float() - a.t(f"mu_p.{kv}.{layer}", dev)) @ a.t(f"enc.{kv}.{layer}", dev)
             out.update(self._code(z, f"z{kv}"))
         return out
 
@@ -127,7 +122,7 @@ class SCD(TransferMethod):
         for kv, r in (("k", self.meta.r_k), ("v", self.meta.r_v)):
             z = self._uncode(tensors, f"z{kv}", r).to(dev)
             x = a.t(f"mu_c.{kv}.{layer}", dev) + z @ a.t(f"dec.{kv}.{layer}", dev)
-            out.append(_heads(x, m.n_kv_heads, m.head_dim))
+            out.append(from_rows(x, m.n_kv_heads, m.head_dim))
         return out[0], out[1]
 
     def _aligner(self, layer) -> Aligner:

@@ -48,6 +48,16 @@ class PrefillState:
         return self.keys[0].shape[2]
 
 
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """Per-layer K or V [1, H, T, D] -> token rows [T, H*D] (what the maps and codes work on)."""
+    return x[0].transpose(0, 1).reshape(x.shape[2], -1)
+
+
+def from_rows(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Token rows [T, H*D] -> [1, H, T, D]."""
+    return x.reshape(x.shape[0], n_heads, head_dim).transpose(0, 1).unsqueeze(0)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
