@@ -5,10 +5,8 @@ serial."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +16,7 @@ from shared.codecs import CODECS, CodecContext, check_enabled, DecodeJob, Decode
 from shared.errors import ConfigError, FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
 from shared.generation import Generator, Sampling
 from shared.model.fingerprint import weights_fingerprint
+from shared.worker import TorchWorker
 from shared.model.hf_adapter import ModelAdapter
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import PROTOCOL_VERSION
@@ -36,7 +35,9 @@ class Request:
     reconstruct_ms: float = 0.0
 
 
-class ConsumerEngine:
+class ConsumerEngine(TorchWorker):
+    """Runs on one torch worker thread (``run``)."""
+
     def __init__(self, settings: ConsumerSettings, model, tokenizer=None):
         check_enabled(settings.methods)
         self.settings = settings
@@ -50,7 +51,7 @@ class ConsumerEngine:
         for m in settings.methods:
             if "profile" in CODECS[m].requires:
                 self._load_profile(m)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"consumer-{settings.name}")
+        TorchWorker.__init__(self, f"consumer-{settings.name}")
         self.stop_ids = frozenset(self._stop_ids())
         self.prefix_ids: list[int] = []
         self.prefix_keys: tuple[torch.Tensor, ...] = ()
@@ -93,18 +94,11 @@ class ConsumerEngine:
 
     def _prepare_native_prefix(self) -> None:
         """The consumer's own K/V for the fixed chat-template prefix, computed once."""
-        from shared.data import template_parts
+        from shared.data import template_prefix_ids
 
-        head, _ = template_parts(self.tokenizer)
-        self.prefix_ids = self.tokenizer(head, add_special_tokens=False)["input_ids"]
+        self.prefix_ids = template_prefix_ids(self.tokenizer)
         state = self.adapter.prefill(self.prefix_ids)
         self.prefix_keys, self.prefix_values = state.keys, state.values
-
-    async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ header
     def open(self, h: pb.Header) -> Request:

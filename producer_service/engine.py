@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
 from shared.codecs import CODECS, CodecContext, check_enabled, TransferMethod, make_method
 from shared.errors import InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
 from shared.model.fingerprint import weights_fingerprint
+from shared.worker import TorchWorker
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import PROTOCOL_VERSION
@@ -24,7 +23,9 @@ class Prepared:
     address: str
 
 
-class ProducerEngine:
+class ProducerEngine(TorchWorker):
+    """Runs on one torch worker thread (``run``)."""
+
     def __init__(self, settings: ProducerSettings, model, tokenizer=None):
         check_enabled(settings.methods)
         self.settings = settings
@@ -32,12 +33,12 @@ class ProducerEngine:
         self.tokenizer = tokenizer
         self.fingerprint = weights_fingerprint(model)
         self.ctxs = {name: self._context(name, ep.artifacts) for name, ep in settings.consumers.items()}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="producer")
+        TorchWorker.__init__(self, "producer")
         self.prefix_ids: list[int] = []
         if tokenizer is not None:
-            from shared.data import template_parts
+            from shared.data import template_prefix_ids
 
-            self.prefix_ids = tokenizer(template_parts(tokenizer)[0], add_special_tokens=False)["input_ids"]
+            self.prefix_ids = template_prefix_ids(tokenizer)
 
     def _context(self, consumer: str, artifacts: str | None) -> CodecContext:
         """The codec context for one consumer: the pair's SCD artifacts and baseline profiles found in
@@ -58,12 +59,6 @@ class ProducerEngine:
             if (folder.parent / f"{folder.name}.{kind}.json").exists():
                 ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, self.fingerprint)
         return ctx
-
-    async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def prepare(self, req: pb.GenerateRequest) -> Prepared:
         s = self.settings

@@ -56,11 +56,16 @@ def template_parts(tok) -> tuple[str, str]:
     return head, tail
 
 
+def template_prefix_ids(tok) -> list[int]:
+    """Token ids of the fixed chat-template prefix (system prompt and the user role marker)."""
+    return tok(template_parts(tok)[0], add_special_tokens=False)["input_ids"]
+
+
 def chat_prompt_ids(tok, message: str) -> tuple[list[int], int]:
     """Token ids of a chat prompt and the length of its fixed prefix. The prefix is tokenized on
     its own, so every prompt starts with exactly the same prefix tokens."""
-    head, tail = template_parts(tok)
-    pre = tok(head, add_special_tokens=False)["input_ids"]
+    _, tail = template_parts(tok)
+    pre = template_prefix_ids(tok)
     body = tok(message + tail, add_special_tokens=False)["input_ids"]
     return pre + body, len(pre)
 
