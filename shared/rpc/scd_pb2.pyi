@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "consumer", "method", "method_params", "sampling", "native_prefix", "request_id")
+    __slots__ = ("text", "token_ids", "consumer", "method", "method_params", "sampling", "native_prefix", "request_id", "no_pipelining")
     class MethodParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NATIVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NO_PIPELINING_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     consumer: str
@@ -45,7 +46,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     native_prefix: bool
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., consumer: _Optional[str] = ..., method: _Optional[str] = ..., method_params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    no_pipelining: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., consumer: _Optional[str] = ..., method: _Optional[str] = ..., method_params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., request_id: _Optional[str] = ..., no_pipelining: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -100,7 +102,7 @@ class TokenEvent(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("request_id", "method", "method_version", "protocol_version", "pair_fingerprint", "n_layers", "n_tokens", "dtype", "prompt_ids", "params", "sampling", "native_prefix", "prefix_len", "consumer", "deadline_unix", "t_request_unix")
+    __slots__ = ("request_id", "method", "method_version", "protocol_version", "pair_fingerprint", "n_layers", "n_tokens", "dtype", "prompt_ids", "params", "sampling", "native_prefix", "prefix_len", "consumer", "deadline_unix", "t_request_unix", "no_pipelining")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +126,7 @@ class Header(_message.Message):
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     T_REQUEST_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NO_PIPELINING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     method: str
     method_version: int
@@ -140,7 +143,8 @@ class Header(_message.Message):
     consumer: str
     deadline_unix: float
     t_request_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., method: _Optional[str] = ..., method_version: _Optional[int] = ..., protocol_version: _Optional[int] = ..., pair_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., n_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., prefix_len: _Optional[int] = ..., consumer: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., t_request_unix: _Optional[float] = ...) -> None: ...
+    no_pipelining: bool
+    def __init__(self, request_id: _Optional[str] = ..., method: _Optional[str] = ..., method_version: _Optional[int] = ..., protocol_version: _Optional[int] = ..., pair_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., n_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., prefix_len: _Optional[int] = ..., consumer: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., t_request_unix: _Optional[float] = ..., no_pipelining: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "layer", "dtype", "shape", "offset", "raw_size", "data", "crc32c", "last", "layer_done")
