@@ -38,6 +38,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
         kind, header = dec.feed(await self._next(it))
         req = eng.open(header)
         t_first = None  # first frame after the header: the transfer proper starts
+        held = []  # no_pipelining (benchmark): layers wait for the trailer
         while True:
             out = dec.feed(await self._next(it))
             t_last = time.perf_counter()
@@ -46,9 +47,14 @@ class ConsumerServicer(pbg.ConsumerServicer):
                 continue
             if out[0] == "layer":
                 layer, tensors = out[1]
-                await eng.run(eng.add_layer, req, layer, tensors)
+                if header.no_pipelining:
+                    held.append((layer, tensors))
+                else:
+                    await eng.run(eng.add_layer, req, layer, tensors)
             elif out[0] == "trailer":
                 break
+        for layer, tensors in held:
+            await eng.run(eng.add_layer, req, layer, tensors)
         gen = await eng.run(eng.generator, req)
         req.session = None  # the cache now lives in the generator only
         t_dec = time.perf_counter()

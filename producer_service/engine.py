@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
@@ -34,6 +35,7 @@ class ProducerEngine(TorchWorker):
         self.fingerprint = weights_fingerprint(model)
         self.ctxs = {name: self._context(name, ep.artifacts) for name, ep in settings.consumers.items()}
         TorchWorker.__init__(self, "producer")
+        self._prefills: OrderedDict[tuple, PrefillState] = OrderedDict()  # used on the worker thread only
         self.prefix_ids: list[int] = []
         if tokenizer is not None:
             from shared.data import template_prefix_ids
@@ -110,14 +112,28 @@ class ProducerEngine(TorchWorker):
             n_layers=self.adapter.n_layers, n_tokens=len(p.prompt_ids) - 1, dtype=getattr(p.method.cfg, "dtype", ""),
             prompt_ids=p.prompt_ids, params={k: str(v) for k, v in p.method.cfg.model_dump(exclude={"kind"}).items()},
             sampling=req.sampling, native_prefix=bool(p.prefix_len), prefix_len=p.prefix_len, consumer=req.consumer,
-            deadline_unix=deadline, t_request_unix=t0,
+            deadline_unix=deadline, t_request_unix=t0, no_pipelining=req.no_pipelining,
         )
 
     def prefill(self, p: Prepared) -> PrefillState:
+        """The base model's prefill of the prompt (all but its last token). With
+        ``prefill_cache_entries`` > 0 the most recent states are kept, keyed by the token ids and the
+        layers the method captures: a prompt prefilled once is served again without a prefill (the
+        shared-prefill, specialized-decode pattern). Encoders only read the state."""
         if not p.method.transfers_layers:
             return None
-        return self.adapter.prefill(p.prompt_ids[:-1], hidden_layers=p.method.hidden_layers(),
-                                    residual_layers=p.method.residual_layers())
+        hidden, residual = tuple(p.method.hidden_layers()), tuple(p.method.residual_layers())
+        key = (tuple(p.prompt_ids[:-1]), hidden, residual)
+        cache, size = self._prefills, self.settings.prefill_cache_entries
+        if size and key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        state = self.adapter.prefill(p.prompt_ids[:-1], hidden_layers=hidden, residual_layers=residual)
+        if size:
+            cache[key] = state
+            while len(cache) > size:
+                cache.popitem(last=False)
+        return state
 
     @staticmethod
     def encode_layer(p: Prepared, state: PrefillState, layer: int):

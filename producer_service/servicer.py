@@ -49,7 +49,15 @@ class ProducerServicer(pbg.ProducerServicer):
             t = time.perf_counter()
             state = await eng.run(eng.prefill, p)
             stats["prefill_ms"] = (time.perf_counter() - t) * 1e3
-            if p.method.transfers_layers:
+            if p.method.transfers_layers and request.no_pipelining:  # benchmark: encode all, then send
+                held = []
+                for layer in range(eng.adapter.n_layers):
+                    tensors, ms = await eng.run(eng.encode_layer, p, state, layer)
+                    stats["encode_ms"] += ms
+                    held.extend(layer_frames(layer, tensors))
+                for f in held:
+                    yield totals.add(f)
+            elif p.method.transfers_layers:
                 for layer in range(eng.adapter.n_layers):  # each layer leaves as soon as it is encoded
                     tensors, ms = await eng.run(eng.encode_layer, p, state, layer)
                     stats["encode_ms"] += ms

@@ -29,6 +29,9 @@ class ProducerSettings(ServiceSettings):
     max_prompt_chars: int = Field(64_000, ge=1)
     default_deadline_s: float = Field(120.0, gt=0)
     """Deadline of a request whose client set none."""
+    prefill_cache_entries: int = Field(0, ge=0, le=1024)
+    """Most recent prefill states kept, keyed by the prompt's token ids (0 = off): a prompt already
+    prefilled is streamed again without a prefill (one base prefill serving many consumers)."""
 
     @model_validator(mode="after")
     def _default_enabled(self):
