@@ -16,7 +16,7 @@ def load_engine(settings: ConsumerSettings) -> ConsumerEngine:
 
     path = Path(settings.model.path).expanduser()
     model = load_model(path, settings.model.device, settings.model.torch_dtype())
-    return ConsumerEngine(settings, model, load_tokenizer(path))
+    return ConsumerEngine(settings, model, load_tokenizer(path, required=False))
 
 
 def build_server(engine: ConsumerEngine) -> GRPCServer:

@@ -129,10 +129,18 @@ def load_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float
     return model.to(device).eval()
 
 
-def load_tokenizer(path: Path | None = None):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: Path | None = None, required: bool = True):
+    """The folder's tokenizer; with ``required=False`` a folder without one (e.g. a saved tiny test
+    model) gives None and its service takes token ids only."""
     from transformers import AutoTokenizer
 
     path = path or producer_dir()
     if not is_ready(path):
         raise AssetMissing(f"model folder {path} is not prepared; run `scd assets`")
+    if not required and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        log.info("no tokenizer in %s: serving token ids only", path)
+        return None
     return AutoTokenizer.from_pretrained(path)
