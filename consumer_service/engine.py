@@ -33,6 +33,7 @@ class Request:
     sampling: Sampling
     t_first_frame: float = field(default_factory=time.perf_counter)
     reconstruct_ms: float = 0.0
+    fallback: str = ""  # why the consumer recomputes the prefill itself ("" = it uses the transfer)
 
 
 class ConsumerEngine(TorchWorker):
@@ -101,26 +102,38 @@ class ConsumerEngine(TorchWorker):
         self.prefix_keys, self.prefix_values = state.keys, state.values
 
     # ------------------------------------------------------------------ header
-    def open(self, h: pb.Header) -> Request:
+    def incompatibility(self, h: pb.Header) -> tuple[str, str] | None:
+        """(reason, actionable message) when the stream does not match what this consumer loaded."""
         s = self.settings
         if h.protocol_version != PROTOCOL_VERSION:
-            raise PreconditionFailed(
-                f"protocol version {h.protocol_version} from the producer; this consumer speaks {PROTOCOL_VERSION}: "
-                "update the older side")
+            side = "producer" if h.protocol_version < PROTOCOL_VERSION else "consumer"
+            return "protocol", (f"protocol version {h.protocol_version} from the producer; this consumer speaks "
+                                f"{PROTOCOL_VERSION}: update the {side}")
+        cls = CODECS[h.method]
+        if h.method_version != cls.version:
+            side = "producer" if h.method_version < cls.version else "consumer"
+            return "method_version", (f"method {h.method!r} version {h.method_version} from the producer; this "
+                                      f"consumer has version {cls.version}: update the {side}")
+        producer_fp = h.pair_fingerprint.split(":")[0]
+        if self.producer_fingerprint and producer_fp != self.producer_fingerprint:
+            return "fingerprint", (
+                f"stream made by producer weights {producer_fp!r}; consumer {s.name!r} accepts "
+                f"{self.producer_fingerprint!r}: point the producer at the right model or recalibrate the pair "
+                "and update the consumer's artifacts")
+        if h.n_layers != self.adapter.n_layers:
+            return "layers", (f"stream has {h.n_layers} layers; the consumer model has {self.adapter.n_layers}: the "
+                              "producer is serving another model family; fix the producer's consumers setting")
+        return None
+
+    def open(self, h: pb.Header) -> Request:
+        s = self.settings
         if h.consumer and h.consumer != s.name:
             raise InvalidRequest(f"stream addressed to consumer {h.consumer!r}; this is {s.name!r}")
         if h.method not in s.methods:
             raise UnknownMethod(f"method {h.method!r} is not enabled on consumer {s.name!r}; enabled: {list(s.methods)}")
-        cls = CODECS[h.method]
-        if h.method_version != cls.version:
-            raise PreconditionFailed(
-                f"method {h.method!r} version {h.method_version} from the producer; this consumer has version "
-                f"{cls.version}: update the older side")
-        producer_fp = h.pair_fingerprint.split(":")[0]
-        if self.producer_fingerprint and producer_fp != self.producer_fingerprint:
-            raise FingerprintMismatch(
-                f"stream made by producer weights {producer_fp!r}; consumer {s.name!r} accepts "
-                f"{self.producer_fingerprint!r}: point the producer at the right model or recalibrate the pair")
+        bad = self.incompatibility(h)
+        if bad is not None and s.fallback != "recompute":
+            raise (FingerprintMismatch if bad[0] == "fingerprint" else PreconditionFailed)(bad[1])
         n_prompt = len(h.prompt_ids)
         if not 2 <= n_prompt <= s.max_prompt_tokens:
             raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {s.max_prompt_tokens}")
@@ -129,8 +142,13 @@ class ConsumerEngine(TorchWorker):
             raise InvalidRequest(f"prompt token id {max(h.prompt_ids)} is outside the vocabulary (size {vocab})")
         if h.n_tokens != n_prompt - 1:
             raise InvalidPayload(f"header n_tokens={h.n_tokens}; expected prompt length - 1 = {n_prompt - 1}")
-        if h.n_layers != self.adapter.n_layers:
-            raise PreconditionFailed(f"stream has {h.n_layers} layers; the consumer model has {self.adapter.n_layers}")
+        sampling = self.sampling(h.sampling)
+        if bad is not None:  # fallback: prefill the prompt with our own model, ignore the frames
+            log.warning("request %s: %s; recomputing the prefill (fallback=recompute)", h.request_id, bad[1])
+            from shared.codecs.oracle import Oracle
+
+            job = DecodeJob(prompt_ids=list(h.prompt_ids), n_tokens=n_prompt - 1, start=0)
+            return Request(h, Oracle(Oracle.Config(), self.ctx).start(job), sampling, fallback=bad[0])
         start = 0
         if h.native_prefix and h.prefix_len:
             p = h.prefix_len
@@ -138,7 +156,6 @@ class ConsumerEngine(TorchWorker):
                 raise InvalidRequest("native_prefix is set but the prompt does not start with this consumer's "
                                      "chat-template prefix; send native_prefix=false")
             start = p
-        sampling = self.sampling(h.sampling)
         method = make_method(h.method, self.ctx, dict(h.params))
         job = DecodeJob(
             prompt_ids=list(h.prompt_ids), n_tokens=h.n_tokens, start=start,
@@ -147,6 +164,12 @@ class ConsumerEngine(TorchWorker):
             params=dict(h.params),
         )
         return Request(h, method.start(job), sampling)
+
+    def cache_estimate(self, req: Request) -> int:
+        """Bytes the request's cache will hold at its longest: (prompt + max_new_tokens) positions."""
+        a = self.adapter
+        per_token = a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.empty((), dtype=a.dtype).element_size()
+        return (len(req.header.prompt_ids) + req.sampling.max_new_tokens) * per_token
 
     def sampling(self, sp: pb.SamplingParams) -> Sampling:
         s = self.settings

@@ -20,6 +20,26 @@ def load_engine(settings: ConsumerSettings) -> ConsumerEngine:
 
 
 def build_server(engine: ConsumerEngine) -> GRPCServer:
-    s = engine.settings.server
-    return GRPCServer(lambda srv: pbg.add_ConsumerServicer_to_server(ConsumerServicer(engine), srv),
-                      s.host, s.port, ["scd.v1.Consumer"])
+    """The consumer's gRPC server (with its token check and TLS when configured) and, when http.port
+    is set, its /metrics and /health HTTP server, started and stopped with it. The servicer is
+    ``server.servicer`` (its ``metrics`` and ``admission`` are what the tests inspect)."""
+    from shared.metrics import Metrics
+    from shared.rpc.security import BearerAuthInterceptor
+
+    s = engine.settings
+    s.security.check()
+    metrics = Metrics("consumer")
+    servicer = ConsumerServicer(engine, metrics)
+    token = s.security.bearer()
+    interceptors = [BearerAuthInterceptor(token, metrics.auth_failures.labels("grpc").inc)] if token else []
+    server = GRPCServer(lambda srv: pbg.add_ConsumerServicer_to_server(servicer, srv), s.server.host, s.server.port,
+                        ["scd.v1.Consumer"], interceptors, s.security.server_credentials())
+    server.servicer = servicer
+    server.http = None
+    if s.http.port is not None:
+        from shared.rpc.http import HTTPServer, metrics_app
+
+        server.http = HTTPServer(metrics_app(metrics, token), s.http.host, s.http.port, s.security, s.server.grace_s)
+        server.on_start.append(server.http.start)
+        server.on_stop.append(server.http.stop)
+    return server

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.config import ModelSettings, ServerSettings, ServiceSettings
+from shared.config import HTTPSettings, ModelSettings, ServerSettings, ServiceSettings
+from shared.rpc.security import SecuritySettings
 
 
 class ConsumerSettings(ServiceSettings):
@@ -28,3 +31,22 @@ class ConsumerSettings(ServiceSettings):
     default_max_new_tokens: int = Field(64, ge=1)
     frame_timeout_s: float = Field(30.0, gt=0)
     """A request that receives no frame for this long is aborted and its memory freed (lease)."""
+    fallback: Literal["fail", "recompute"] = "fail"
+    """A stream whose protocol version, method version, pair fingerprint or depth does not match what
+    this consumer loaded: ``fail`` refuses it (FAILED_PRECONDITION, the message says which side to
+    update); ``recompute`` ignores its frames and prefills from the prompt's token ids with the
+    consumer's own model (final event: timings.fallback_recompute=true)."""
+    max_concurrent: int = Field(4, ge=1)
+    """Requests reconstructing or decoding at once; more wait in the queue."""
+    max_queue: int = Field(16, ge=0)
+    """Requests that may wait for admission; past it, RESOURCE_EXHAUSTED."""
+    cache_budget_bytes: int = Field(0, ge=0)
+    """Memory budget for the caches of admitted requests, estimated before allocation as
+    (prompt + max_new_tokens) x layers x 2 x kv_heads x head_dim x element size; 0 = unbounded."""
+    max_queue_wait_s: float = Field(30.0, gt=0)
+    """A request waits at most this long (and never past its deadline) for admission."""
+    max_stream_bytes: int = Field(4 << 30, ge=1 << 20)
+    """Uncompressed payload bytes one stream may carry; past it the stream is refused."""
+    http: HTTPSettings = HTTPSettings()
+    """/metrics and /health over HTTP; off unless http.port is set."""
+    security: SecuritySettings = SecuritySettings()

@@ -20,7 +20,23 @@ def load_engine(settings: ProducerSettings) -> ProducerEngine:
 
 
 def build_server(engine: ProducerEngine) -> tuple[GRPCServer, ProducerServicer]:
-    s = engine.settings.server
+    """The producer's gRPC server (token check and TLS when configured) and, when http.port is set,
+    its OpenAI-compatible HTTP front with /health and /metrics, started and stopped with it."""
+    from shared.rpc.security import BearerAuthInterceptor
+
+    s = engine.settings
+    s.security.check()
     servicer = ProducerServicer(engine)
-    return GRPCServer(lambda srv: pbg.add_ProducerServicer_to_server(servicer, srv), s.host, s.port,
-                      ["scd.v1.Producer"]), servicer
+    token = s.security.bearer()
+    interceptors = [BearerAuthInterceptor(token, servicer.metrics.auth_failures.labels("grpc").inc)] if token else []
+    server = GRPCServer(lambda srv: pbg.add_ProducerServicer_to_server(servicer, srv), s.server.host, s.server.port,
+                        ["scd.v1.Producer"], interceptors, s.security.server_credentials())
+    server.http = None
+    if s.http.port is not None:
+        from producer_service.http import make_app
+        from shared.rpc.http import HTTPServer
+
+        server.http = HTTPServer(make_app(servicer, token), s.http.host, s.http.port, s.security, s.server.grace_s)
+        server.on_start.append(server.http.start)
+        server.on_stop.append(server.http.stop)
+    return server, servicer

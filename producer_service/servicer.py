@@ -3,6 +3,7 @@ events are relayed back."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -11,9 +12,11 @@ import grpc
 
 from producer_service.engine import ProducerEngine
 from shared.errors import PeerError
+from shared.metrics import Metrics
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
-from shared.rpc.errors import grpc_errors
+from shared.rpc.errors import grpc_errors, status_for
+from shared.rpc.security import auth_metadata
 from shared.rpc.server import OPTIONS
 from shared.rpc.wire import StreamTotals, layer_frames
 
@@ -21,13 +24,20 @@ log = logging.getLogger(__name__)
 
 
 class ProducerServicer(pbg.ProducerServicer):
-    def __init__(self, engine: ProducerEngine):
+    def __init__(self, engine: ProducerEngine, metrics: Metrics | None = None):
         self.engine = engine
+        self.metrics = metrics or Metrics("producer")
+        sec = engine.settings.security
+        self._peer_creds = sec.peer_credentials()
+        self._peer_md = auth_metadata(sec.bearer())  # the producer sends its own token to its consumers
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=OPTIONS)
+            if self._peer_creds is not None:
+                self._channels[address] = grpc.aio.secure_channel(address, self._peer_creds, options=OPTIONS)
+            else:
+                self._channels[address] = grpc.aio.insecure_channel(address, options=OPTIONS)
         return self._channels[address]
 
     async def close(self) -> None:
@@ -36,11 +46,38 @@ class ProducerServicer(pbg.ProducerServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        eng = self.engine
+        async with contextlib.aclosing(self.generate(request, context.time_remaining())) as events:
+            async for ev in events:
+                yield ev
+
+    async def generate(self, request: pb.GenerateRequest, time_remaining: float | None = None):
+        """Token events of one request; raises domain errors (PeerError for the consumer's). Shared by
+        the gRPC Generate and the HTTP front. Closing the generator (a client that went away)
+        cancels the consumer's call, which frees the request there."""
+        m = self.metrics
+        m.inflight.inc()
+        method, outcome, fallback = request.method or self.engine.settings.default_method, "cancelled", "none"
+        if method not in self.engine.settings.methods:
+            method = "unknown"
+        try:
+            async for ev in self._generate(request, time_remaining):
+                if ev.HasField("timings") and ev.timings.fallback_recompute:
+                    fallback = "recompute"
+                yield ev
+            outcome = "ok"
+        except Exception as e:
+            outcome = status_for(e)[0].name.lower()
+            raise
+        finally:
+            m.inflight.dec()
+            m.requests.labels(method, outcome, fallback).inc()
+
+    async def _generate(self, request: pb.GenerateRequest, time_remaining: float | None):
+        eng, m = self.engine, self.metrics
         t0, t0_unix = time.perf_counter(), time.time()
         p = eng.prepare(request)
         rid = request.request_id or uuid.uuid4().hex
-        remaining = context.time_remaining() or eng.settings.default_deadline_s
+        remaining = min(time_remaining or eng.settings.default_deadline_s, eng.settings.max_deadline_s)
         totals = StreamTotals()
         stats = {"prefill_ms": 0.0, "encode_ms": 0.0}
 
@@ -64,14 +101,18 @@ class ProducerServicer(pbg.ProducerServicer):
                     for f in layer_frames(layer, tensors):
                         yield totals.add(f)
             del state
+            stats["trailer"] = 1
             yield totals.add(totals.trailer(stats["encode_ms"], stats["prefill_ms"]))
 
-        call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining)
+        call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining,
+                                                                  metadata=self._peer_md)
+        kind = p.method.kind
         ttft = None
         try:
             async for ev in call:
                 if ttft is None:
                     ttft = (time.perf_counter() - t0) * 1e3
+                    m.ttft.labels(kind).observe(ttft / 1e3)
                 if ev.HasField("timings"):
                     t = ev.timings
                     t.ttft_ms, t.prefill_ms, t.encode_ms = ttft, stats["prefill_ms"], stats["encode_ms"]
@@ -80,6 +121,11 @@ class ProducerServicer(pbg.ProducerServicer):
         except grpc.aio.AioRpcError as e:
             code = e.code()
             msg = e.details() or code.name
+            if code == grpc.StatusCode.UNAVAILABLE:
+                msg = f"unreachable or gone mid-stream ({msg}); retry, or check the consumer's health"
             raise PeerError(code.name, f"consumer {request.consumer!r}: {msg}") from None
         finally:
             call.cancel()
+            m.frames.labels(kind).inc(1 + totals.n_chunks + stats.get("trailer", 0))  # header, chunks, trailer
+            m.wire_bytes.labels(kind).inc(totals.wire_bytes)
+            m.encode.labels(kind).observe(stats["encode_ms"] / 1e3)

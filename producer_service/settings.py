@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config import ModelSettings, ServerSettings, ServiceSettings, _Strict
+from shared.config import HTTPSettings, ModelSettings, ServerSettings, ServiceSettings, _Strict
+from shared.rpc.security import SecuritySettings
 
 
 class ConsumerEndpoint(_Strict):
@@ -32,6 +33,14 @@ class ProducerSettings(ServiceSettings):
     prefill_cache_entries: int = Field(0, ge=0, le=1024)
     """Most recent prefill states kept, keyed by the prompt's token ids (0 = off): a prompt already
     prefilled is streamed again without a prefill (one base prefill serving many consumers)."""
+    max_deadline_s: float = Field(600.0, gt=0)
+    """Longest deadline a client may ask for; longer ones are cut to this."""
+    http: HTTPSettings = HTTPSettings()
+    """The OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, /v1/models), /health
+    and /metrics; off unless http.port is set."""
+    max_http_body_bytes: int = Field(1 << 20, ge=1024)
+    """HTTP request bodies larger than this are refused (413) before they are parsed."""
+    security: SecuritySettings = SecuritySettings()
 
     @model_validator(mode="after")
     def _default_enabled(self):

@@ -119,6 +119,9 @@ def _serve(load_engine, build_server, settings) -> None:
         port = await server.start()
         typer.echo(f"{type(settings).__name__.replace('Settings', '').lower()} listening on "
                    f"{settings.server.host}:{port}", err=True)
+        if getattr(server, "http", None) is not None:
+            typer.echo(f"HTTP (health, metrics{', OpenAI API' if servicer else ''}) on "
+                       f"{settings.http.host}:{server.http.port}", err=True)
         try:
             await server.serve_until_signal(settings.server.grace_s)
         finally:

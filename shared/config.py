@@ -38,6 +38,13 @@ class ServerSettings(_Strict):
     """Seconds in-flight requests get to finish on SIGTERM."""
 
 
+class HTTPSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=0, le=65535)
+    """None disables the HTTP server; 0 picks a free port. Producer: the OpenAI-compatible front,
+    /health and /metrics. Consumer: /health and /metrics."""
+
+
 class ServiceSettings(BaseSettings):
     """Base of ProducerSettings/ConsumerSettings: file < environment < flags."""
 

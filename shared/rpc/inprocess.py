@@ -21,8 +21,10 @@ class InProcessServices:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.servers: list = []
         self.consumer_addresses: dict[str, str] = {}
+        self.consumer_servers: dict[str, object] = {}  # name -> GRPCServer (``.servicer``: metrics, admission)
         self.producer_address = ""
         self.producer_engine = None
+        self.producer_server = None
 
     def _run(self, coro, timeout=60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -35,11 +37,13 @@ class InProcessServices:
             srv = build_consumer(eng)
             port = await srv.start()
             self.servers.append(srv)
+            self.consumer_servers[eng.settings.name] = srv
             self.consumer_addresses[eng.settings.name] = f"127.0.0.1:{port}"
         self.producer_engine = self._make_producer(dict(self.consumer_addresses))
         srv, self._servicer = build_producer(self.producer_engine)
         port = await srv.start()
         self.servers.append(srv)
+        self.producer_server = srv
         self.producer_address = f"127.0.0.1:{port}"
 
     async def _stop(self):

@@ -22,23 +22,33 @@ OPTIONS = [
 class GRPCServer:
     """``start()`` binds and serves (returns the port); ``stop(grace)`` drains and stops."""
 
-    def __init__(self, add_servicers, host: str, port: int, service_names: list[str]):
+    def __init__(self, add_servicers, host: str, port: int, service_names: list[str], interceptors=(),
+                 credentials: grpc.ServerCredentials | None = None):
         self._add, self.host, self.port, self._names = add_servicers, host, port, service_names
+        self._interceptors, self._credentials = list(interceptors), credentials
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.on_start: list = []  # coroutine functions run once the gRPC server serves (e.g. an HTTP front)
+        self.on_stop: list = []  # coroutine functions run after the gRPC server stopped
 
     async def start(self) -> int:
         # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
-        self.server = grpc.aio.server(options=OPTIONS + [("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=OPTIONS + [("grpc.so_reuseport", 0)], interceptors=self._interceptors)
         self._add(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        addr = f"{self.host}:{self.port}"
         try:
-            self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+            if self._credentials is not None:
+                self.port = self.server.add_secure_port(addr, self._credentials)
+            else:
+                self.port = self.server.add_insecure_port(addr)
         except RuntimeError as e:
             raise OSError(f"cannot listen on {self.host}:{self.port} ({e}); is another server using it?") from None
         await self.server.start()
         for name in ["", *self._names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for fn in self.on_start:
+            await fn()
         return self.port
 
     async def stop(self, grace: float) -> None:
@@ -46,6 +56,8 @@ class GRPCServer:
             return
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        for fn in self.on_stop:
+            await fn()
 
     async def serve_until_signal(self, grace: float) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully."""

@@ -1,0 +1,229 @@
+"""OpenAI-compatible HTTP front of the producer: ``POST /v1/completions``, ``POST
+/v1/chat/completions`` (``stream: true`` as server-sent events), ``GET /v1/models`` (each consumer
+is a model), ``/health`` and ``/metrics``.
+
+A thin layer: each request becomes a ``GenerateRequest`` run through the same code path as the gRPC
+``Generate`` (``ProducerServicer.generate``). A client that disconnects closes that generator, which
+cancels the consumer's call and frees the request on both sides."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer_service.servicer import ProducerServicer
+from shared.errors import InvalidRequest, SCDError
+from shared.rpc import scd_pb2 as pb
+from shared.rpc.errors import status_for
+from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI fields this server does not use are ignored
+
+    model: str = Field(..., min_length=1)
+    """The consumer's name."""
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+    # SCD extensions
+    method: str = ""
+    method_params: dict[str, str] = {}
+    native_prefix: bool = True
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(..., min_length=1)
+
+
+def _prompt_ids(tok, body: CompletionBody, max_chars: int) -> list[int]:
+    p = body.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, list) and p and not all(isinstance(x, int) for x in p):
+        raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
+    if isinstance(p, list):
+        return list(p)
+    if tok is None:
+        raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids")
+    if not p.strip():
+        raise InvalidRequest("prompt is empty; send a non-empty prompt")
+    if len(p) > max_chars:
+        raise InvalidRequest(f"prompt has {len(p)} characters; the limit is {max_chars}")
+    return tok(p, add_special_tokens=False)["input_ids"]
+
+
+def _chat_ids(tok, body: ChatBody, max_chars: int) -> list[int]:
+    if tok is None:
+        raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids")
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    n = sum(len(m["content"]) for m in msgs)
+    if n > max_chars:
+        raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}")
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _request(body: _Body, ids: list[int]) -> pb.GenerateRequest:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), consumer=body.model, method=body.method, method_params=body.method_params,
+        native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
+        sampling=pb.SamplingParams(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
+                                   temperature=body.temperature, top_p=body.top_p, stop=stop, seed=body.seed or 0),
+    )
+
+
+def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
+    eng = servicer.engine
+    s = eng.settings
+    tok = eng.tokenizer
+    app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
+    add_metrics_routes(app, servicer.metrics)
+
+    @app.middleware("http")
+    async def _bounded_body(request: Request, call_next):  # size checked before the body is read
+        n = request.headers.get("content-length")
+        if n is not None and (not n.isdigit() or int(n) > s.max_http_body_bytes):
+            return JSONResponse(error_body(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"request body over {s.max_http_body_bytes} bytes"), status_code=413)
+        return await call_next(request)
+
+    add_auth(app, token, servicer.metrics)  # registered last: runs first
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {msg}")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "scd"}
+                                           for n in s.consumers]}
+
+    async def run(body: _Body, ids: list[int], chat: bool):
+        req = _request(body, ids)
+        rid = ("chatcmpl-" if chat else "cmpl-") + req.request_id
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        events = servicer.generate(req, None)
+        try:  # the first event comes before any response: errors up to it get their own HTTP status
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+        except Exception as e:  # noqa: BLE001 - mapped like the gRPC side
+            await events.aclose()
+            return error_response(*status_for(e))
+
+        def usage(ev: pb.TokenEvent | None) -> dict | None:
+            if ev is None or not ev.HasField("timings"):
+                return None
+            t = ev.timings
+            return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
+                    "total_tokens": t.prompt_tokens + t.completion_tokens}
+
+        def timings(ev: pb.TokenEvent) -> dict:
+            t = ev.timings
+            return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
+                    "fallback_recompute": t.fallback_recompute}
+
+        def choice(text: str, finish: str | None) -> dict:
+            if chat:
+                return {"index": 0, "delta": {"content": text}, "finish_reason": finish or None, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish or None, "logprobs": None}
+
+        if not body.stream:
+            text, last = "", first
+            async with contextlib.aclosing(events):
+                if first is not None:
+                    text = first.text
+                    try:
+                        async for ev in events:
+                            text += ev.text
+                            last = ev
+                    except Exception as e:  # noqa: BLE001
+                        return error_response(*status_for(e))
+            finish = last.finish_reason if last is not None else "stop"
+            c = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+            out = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": [c],
+                   "usage": usage(last)}
+            if last is not None and last.HasField("timings"):
+                out["scd_timings"] = timings(last)
+            return JSONResponse(out)
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def sse(data: dict) -> str:
+            return f"data: {json.dumps(data)}\n\n"
+
+        async def stream():
+            async with contextlib.aclosing(events):
+                if chat:
+                    yield sse({"id": rid, "object": chunk_obj, "created": created, "model": body.model,
+                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None}]})
+                ev = first
+                try:
+                    while ev is not None:
+                        data = {"id": rid, "object": chunk_obj, "created": created, "model": body.model,
+                                "choices": [choice(ev.text, ev.finish_reason)]}
+                        if ev.HasField("timings"):
+                            data["usage"], data["scd_timings"] = usage(ev), timings(ev)
+                        yield sse(data)
+                        ev = await anext(events, None)
+                except SCDError as e:  # after the first event only a final error event can say it
+                    yield sse(error_body(*status_for(e)))
+                except Exception as e:  # noqa: BLE001
+                    yield sse(error_body(*status_for(e)))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        try:
+            ids = _prompt_ids(tok, body, s.max_prompt_chars)
+        except SCDError as e:
+            return error_response(*status_for(e))
+        return await run(body, ids, False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        try:
+            ids = _chat_ids(tok, body, s.max_prompt_chars)
+        except SCDError as e:
+            return error_response(*status_for(e))
+        return await run(body, ids, True)
+
+    return app

@@ -1,0 +1,52 @@
+"""Prometheus metrics of one service, on its own registry (several servers in one process, as in the
+tests, never collide). Names are ``scd_<service>_...``; see docs/operations.md for the list."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """``service`` is ``producer`` or ``consumer``; every metric exists on both (a few stay at zero
+    on one side: the producer has no cache memory, the consumer encodes nothing)."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        p = f"scd_{service}_"
+        self.requests = Counter(p + "requests", "Requests by transfer method and outcome (ok or a gRPC code "
+                                "name, lower case) and whether the consumer recomputed the prefill",
+                                ["method", "outcome", "fallback"], registry=r)
+        self.ttft = Histogram(p + "ttft_seconds", "Request received -> first token", ["method"], buckets=_SECONDS,
+                              registry=r)
+        self.wire_bytes = Counter(p + "wire_bytes", "Serialized KV frame bytes sent (producer) or received "
+                                  "(consumer)", ["method"], registry=r)
+        self.frames = Counter(p + "frames", "KV frames sent (producer) or received (consumer)", ["method"],
+                              registry=r)
+        self.encode = Histogram(p + "encode_seconds", "Producer encode time per request (all layers)", ["method"],
+                                buckets=_SECONDS, registry=r)
+        self.reconstruct = Histogram(p + "reconstruct_seconds", "Consumer reconstruct time per request (all "
+                                     "layers)", ["method"], buckets=_SECONDS, registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "Requests being served now (admitted ones on the consumer)",
+                              registry=r)
+        self.queue = Gauge(p + "queue_length", "Requests waiting for admission", registry=r)
+        self.cache_bytes = Gauge(p + "cache_bytes_held", "Bytes reserved for reconstructed caches of admitted "
+                                 "requests (consumer)", registry=r)
+        self.cache_budget = Gauge(p + "cache_budget_bytes", "Cache memory budget (consumer; 0 = unbounded)",
+                                  registry=r)
+        self.fallbacks = Counter(p + "fallback_recompute", "Requests the consumer prefilled itself because the "
+                                 "stream did not match what it loaded", ["reason"], registry=r)
+        self.auth_failures = Counter(p + "auth_failures", "Requests refused for a missing or wrong bearer token",
+                                     ["transport"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels) -> float:
+        """Current value of one sample (0.0 when it was never set), e.g. ``value("inflight_requests")``."""
+        v = self.registry.get_sample_value(f"scd_{self.service}_{name}", labels)
+        return 0.0 if v is None else v

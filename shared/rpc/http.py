@@ -1,0 +1,128 @@
+"""HTTP pieces shared by both services: uvicorn in the gRPC server's event loop, bearer-token
+checking, OpenAI-style error bodies, and a /metrics + /health app for the consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from shared.metrics import CONTENT_TYPE, Metrics
+from shared.rpc.security import SecuritySettings, token_ok
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 412,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.DATA_LOSS: 502, grpc.StatusCode.CANCELLED: 499,
+}
+OPEN_PATHS = ("/health",)
+
+
+def error_body(code: grpc.StatusCode, message: str) -> dict:
+    return {"error": {"message": message, "type": code.name.lower(), "code": code.name, "param": None}}
+
+
+def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if code == grpc.StatusCode.UNAUTHENTICATED else None
+    return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 500), headers=headers)
+
+
+def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) -> None:
+    """Every route but /health needs ``Authorization: Bearer <token>`` when a token is set."""
+    if not token:
+        return
+
+    @app.middleware("http")
+    async def _bearer(request: Request, call_next):
+        if request.url.path in OPEN_PATHS or token_ok(request.headers.get("authorization"), token):
+            return await call_next(request)
+        if metrics is not None:
+            metrics.auth_failures.labels("http").inc()
+        got = request.headers.get("authorization")
+        msg = ("missing bearer token: send 'Authorization: Bearer <token>'" if got is None else
+               "wrong bearer token: send the token this service was configured with")
+        return error_response(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+
+def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True) -> None:
+    @app.get("/metrics")
+    async def _metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/health")
+    async def _health():
+        ok = ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "service": metrics.service},
+                            status_code=200 if ok else 503)
+
+
+def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:
+    """The consumer's HTTP side: /metrics (token-checked) and /health."""
+    app = FastAPI(title=f"scd {metrics.service}", docs_url=None, redoc_url=None, openapi_url=None)
+    add_metrics_routes(app, metrics)
+    add_auth(app, token, metrics)
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the gRPC server owns SIGTERM/SIGINT and stops us
+        yield
+
+
+class HTTPServer:
+    """uvicorn serving ``app`` in the running event loop; ``start()`` returns the bound port."""
+
+    def __init__(self, app, host: str, port: int, security: SecuritySettings | None = None, grace_s: float = 5.0):
+        self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
+        self.security = security or SecuritySettings()
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"cannot listen on {self.host}:{self.port} for HTTP ({e.strerror or e}); is another "
+                          "server using it?") from None
+        self.port = sock.getsockname()[1]
+        s = self.security
+        kw = {}
+        if s.tls:
+            import ssl
+
+            kw = dict(ssl_certfile=s.tls_cert, ssl_keyfile=s.tls_key)
+            if s.tls_client_ca:
+                kw.update(ssl_ca_certs=s.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        cfg = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                             timeout_graceful_shutdown=max(1, int(self.grace_s)), **kw)
+        self._server = _Server(cfg)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        for _ in range(500):  # bounded wait for start-up (5 s)
+            if self._server.started or self._task.done():
+                break
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()  # raises the start-up error
+        if not self._server.started:
+            raise OSError(f"HTTP server on {self.host}:{self.port} did not start")
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, self.grace_s + 5)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
+            self._task.cancel()
+        self._server = None

@@ -1,0 +1,141 @@
+"""Bearer-token authentication and TLS for both services (gRPC and HTTP).
+
+The token is checked on every RPC (a server interceptor; ``UNAUTHENTICATED``) and every HTTP route
+(401) except the health checks (gRPC ``grpc.health.v1.Health`` and HTTP ``/health``), which stay
+open for orchestrator probes. The producer sends its own token to its consumers."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+
+import grpc
+from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
+
+from shared.errors import ConfigError
+
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+class SecuritySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: SecretStr | None = None
+    """Bearer token clients must send (``authorization: Bearer <token>``). Prefer ``token_file`` or
+    the environment (``PRODUCER__SECURITY__TOKEN`` / ``CONSUMER__SECURITY__TOKEN``) to a file."""
+    token_file: str | None = None
+    """A file holding the token (e.g. a mounted Kubernetes secret); surrounding whitespace ignored."""
+    tls_cert: str | None = None
+    """PEM certificate chain of this server; with ``tls_key`` it serves TLS (gRPC and HTTP)."""
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """PEM CA bundle: clients must present a certificate it signed (mutual TLS)."""
+    peer_ca: str | None = None
+    """Producer only: PEM CA that signed the consumers' certificates; set, the producer connects to
+    its consumers over TLS (presenting ``tls_cert``/``tls_key`` as its client certificate)."""
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.token is not None and self.token_file:
+            raise ValueError("set token or token_file, not both")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        return self
+
+    # ------------------------------------------------------------------ resolved values
+    def bearer(self) -> str | None:
+        if self.token is not None:
+            tok = self.token.get_secret_value().strip()
+        elif self.token_file:
+            tok = _read(self.token_file, "token_file").decode().strip()
+        else:
+            return None
+        if not tok:
+            raise ConfigError("the bearer token is empty; set a non-empty token or drop it")
+        return tok
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            return None
+        pair = [(_read(self.tls_key, "tls_key"), _read(self.tls_cert, "tls_cert"))]
+        if self.tls_client_ca:
+            return grpc.ssl_server_credentials(pair, root_certificates=_read(self.tls_client_ca, "tls_client_ca"),
+                                               require_client_auth=True)
+        return grpc.ssl_server_credentials(pair)
+
+    def peer_credentials(self) -> grpc.ChannelCredentials | None:
+        """Channel credentials towards this service's peers (producer -> consumers)."""
+        if not self.peer_ca:
+            return None
+        key = _read(self.tls_key, "tls_key") if self.tls_key else None
+        cert = _read(self.tls_cert, "tls_cert") if self.tls_cert else None
+        return grpc.ssl_channel_credentials(_read(self.peer_ca, "peer_ca"), key, cert)
+
+    def check(self) -> None:
+        """Read every configured file once at start-up: a bad path fails then, not per request."""
+        self.bearer()
+        self.server_credentials()
+        self.peer_credentials()
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(os.path.expanduser(path)).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read security.{what} {path}: {e.strerror or e}") from None
+
+
+def token_ok(header: str | None, token: str) -> bool:
+    """``header`` is the raw authorization value; constant-time comparison."""
+    return header is not None and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that refuses with UNAUTHENTICATED."""
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every RPC but the health service without ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str, on_failure=None):
+        self.token, self.on_failure = token, on_failure
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization")
+        if token_ok(got, self.token):
+            return handler
+        if self.on_failure:
+            self.on_failure()
+        msg = ("missing bearer token: send metadata 'authorization: Bearer <token>'" if got is None else
+               "wrong bearer token: send the token this service was configured with")
+        return _denied(handler, msg)
