@@ -37,15 +37,25 @@ def request(prompt: str | list[int], consumer: str, method: str = "", max_new_to
     return req
 
 
-def stream(address: str, req: pb.GenerateRequest, timeout: float = 120.0) -> Iterator[pb.TokenEvent]:
-    with grpc.insecure_channel(address, options=OPTIONS) as ch:
-        yield from pbg.ProducerStub(ch).Generate(req, timeout=timeout)
+def channel(address: str, root_certificates: bytes | None = None) -> grpc.Channel:
+    """An insecure channel, or a TLS one verified against ``root_certificates`` (PEM) when given."""
+    if root_certificates is not None:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=OPTIONS)
+    return grpc.insecure_channel(address, options=OPTIONS)
 
 
-def generate(address: str, req: pb.GenerateRequest, timeout: float = 120.0, on_event=None) -> Result:
+def stream(address: str, req: pb.GenerateRequest, timeout: float = 120.0, token: str | None = None,
+           root_certificates: bytes | None = None) -> Iterator[pb.TokenEvent]:
+    md = (("authorization", f"Bearer {token}"),) if token else None
+    with channel(address, root_certificates) as ch:
+        yield from pbg.ProducerStub(ch).Generate(req, timeout=timeout, metadata=md)
+
+
+def generate(address: str, req: pb.GenerateRequest, timeout: float = 120.0, on_event=None, token: str | None = None,
+             root_certificates: bytes | None = None) -> Result:
     res = Result()
     t0 = time.perf_counter()
-    for ev in stream(address, req, timeout):
+    for ev in stream(address, req, timeout, token, root_certificates):
         if not res.token_ids:
             res.client_ttft_ms = (time.perf_counter() - t0) * 1e3
         res.token_ids.append(ev.token_id)
