@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets test test-all demo proto clean-venv bench-overlap calibrate eval
+.PHONY: install assets test test-all demo proto clean-venv bench-overlap bench bench-quick calibrate eval
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ demo: install assets
 
 bench-overlap: install assets
 	$(SCD) bench-overlap --pair strong --tokens 1000 --methods raw
+
+# TTFT over a rate-limited link between two network namespaces (needs root; ~30-40 min on 2 idle cores)
+bench: install assets
+	$(SCD) bench --json results/bench.json --png results/bench.png
+
+bench-quick: install assets
+	$(SCD) bench --quick --json results/bench_quick.json
 
 calibrate: install assets
 	$(SCD) calibrate --pair strong --out artifacts/store

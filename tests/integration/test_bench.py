@@ -71,3 +71,103 @@ def test_no_pipelining_gives_the_same_tokens_and_bytes(services):
     assert 0 < held.timings.wire_bytes - piped.timings.wire_bytes <= 8  # only the header's flag differs
     oracle = _gen(services, method="oracle", no_pipelining=True)
     assert len(oracle.token_ids) == 6 and oracle.timings.payload_bytes == 0
+
+
+# ------------------------------------------------------------------ scd bench over network namespaces
+def _netns_unavailable() -> str:
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return f"needs {missing} (iproute2)"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    return ""
+
+
+needs_netns = pytest.mark.skipif(bool(_netns_unavailable()), reason=_netns_unavailable() or "ok")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    base = tiny_model("llama", n_layers=4)
+    out = []
+    for name, model in (("producer", base), ("consumer", perturbed(base, 0.2))):
+        model.save_pretrained(root / name)
+        (root / name / ".scd-complete").write_text("ok\n")
+        out.append(str(root / name))
+    return out
+
+
+def _bench_cmd(tiny_dirs, tmp_path, *extra):
+    p, c = tiny_dirs
+    return [sys.executable, "-m", "shared.cli", "bench", "--producer-model", p, "--consumer-model", c, "--pair", "tiny",
+            "--store", str(tmp_path / "store"), "--threads", "1", *extra]
+
+
+def _left(pid: int) -> list[str]:
+    from shared.bench.netns import namespaces
+
+    return [n for n in namespaces() if n.endswith(f"-{pid}")]
+
+
+@needs_netns
+def test_bench_smallest_form(tiny_dirs, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "oracle,raw", "--bandwidths", "100",
+                                       "--tokens", "120", "--repeats", "1", "--json", str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not _left(proc.pid), "the benchmark left its namespaces behind"
+    line = json.loads(stdout.strip().splitlines()[-1])
+    res = json.loads(out.read_text())
+    assert set(line["methods"]) == set(res["methods"]) == {"oracle", "raw"}
+    for m, v in res["methods"].items():
+        assert {"warm_ttft_ms", "cold_ttft_ms", "bytes", "floor_ms", "link_mbit"} <= set(v)
+        assert v["link_mbit"] == 100 and v["warm_ttft_ms"] > 0 and v["cold_ttft_ms"] > 0
+        assert v["floor_ms"] > v["bytes"] * 8 / 100e3  # bytes / rate, plus a decode step
+    raw, oracle = res["methods"]["raw"], res["methods"]["oracle"]
+    assert raw["bytes"] > 10 * oracle["bytes"] > 0  # raw ships K/V; the Oracle only the ids
+    assert raw["prompt_tokens"] == 120
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["raw"]["nopipe"]["n"] == 1 and rows["raw"]["cold"]["n"] == 1 and rows["raw"]["warm"]["n"] == 1
+    assert rows["oracle"]["nopipe"] is None and rows["raw"]["goodput_mbit"] > 0
+    assert "tbf" in res["config"]["qdiscs"]["100"] and "100Mbit" in res["config"]["qdiscs"]["100"]
+    assert "raw_goodput_100mbit" in res["targets"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_netns
+def test_bench_cleans_up_on_sigterm(tiny_dirs, tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "raw", "--bandwidths", "10",
+                                       "--tokens", "400", "--repeats", "50"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while len(_left(proc.pid)) < 2 and time.monotonic() - t0 < 60 and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(_left(proc.pid)) == 2, "namespaces never appeared"
+        time.sleep(3)  # services starting or serving
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert not _left(proc.pid), "SIGTERM left namespaces behind"
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tiny_dirs[0]) not in ps, "a service outlived the benchmark"
+
+
+def test_bench_refuses_without_privileges(monkeypatch):
+    from shared.bench import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(netns.BenchError, match="needs root"):
+        netns.check_privileges()
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    with pytest.raises(netns.BenchError, match="iproute2"):
+        netns.check_privileges()
