@@ -239,6 +239,8 @@ def generate(
     seed: int = typer.Option(0),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
     timeout: float = typer.Option(120.0, help="Deadline in seconds."),
+    token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
+    tls_ca: Optional[Path] = typer.Option(None, help="PEM CA to verify a TLS producer."),
 ) -> None:
     """Send a prompt to the producer and print the consumer's tokens as they stream."""
     import grpc
@@ -249,7 +251,8 @@ def generate(
     req = client.request(prompt, consumer, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
                          native_prefix, params)
     try:
-        res = client.generate(producer, req, timeout, on_event=lambda ev: print(ev.text, end="", flush=True))
+        res = client.generate(producer, req, timeout, on_event=lambda ev: print(ev.text, end="", flush=True),
+                              token=token, root_certificates=tls_ca.read_bytes() if tls_ca else None)
     except grpc.RpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1) from None
