@@ -128,8 +128,8 @@ def test_wrong_method_version_and_fingerprint_are_refused(tiny_pair):
     h = pb.Header(method="raw", method_version=1, protocol_version=PROTOCOL_VERSION, pair_fingerprint="abc:raw",
                   n_layers=consumer.n_layers, n_tokens=len(IDS) - 1, prompt_ids=IDS)
     eng.open(h)
-    for field, value, exc, says in (("method_version", 99, PreconditionFailed, "update the older side"),
-                                    ("protocol_version", 99, PreconditionFailed, "update the older side"),
+    for field, value, exc, says in (("method_version", 99, PreconditionFailed, "update the consumer"),
+                                    ("protocol_version", 99, PreconditionFailed, "update the consumer"),
                                     ("pair_fingerprint", "zzz:raw", FingerprintMismatch, "recalibrate")):
         bad = pb.Header()
         bad.CopyFrom(h)
