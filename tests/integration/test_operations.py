@@ -524,3 +524,15 @@ def test_security_settings_are_validated():
     s = ConsumerSettings.load(model={"path": "x"}, security={"token_file": "/nonexistent/token"})
     with pytest.raises(ConfigError, match="token_file"):
         s.security.check()
+
+
+def test_http_body_and_prompt_sizes_are_bounded(svc):
+    h = {"authorization": f"Bearer {TOKEN}"}
+    big = httpx.post(_http(svc) + "/v1/completions", headers=h, timeout=30,
+                     json={"model": "chat", "prompt": "x" * (1 << 20), "max_tokens": 2})
+    assert big.status_code == 413 and "body over" in big.json()["error"]["message"]
+    long = httpx.post(_http(svc) + "/v1/completions", headers=h, timeout=30,
+                      json={"model": "chat", "prompt": [5] * 5000, "max_tokens": 2})
+    assert long.status_code == 400 and "limit" in long.json()["error"]["message"]
+    bad = httpx.post(_http(svc) + "/v1/chat/completions", headers=h, timeout=30, json={"model": "chat", "messages": []})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
