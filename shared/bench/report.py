@@ -46,7 +46,7 @@ def png(res: dict, path: Path) -> Path:
 
     c = res["config"]
     tokens = c["tokens"]
-    fig, axes = plt.subplots(1, len(tokens), figsize=(5.2 * len(tokens), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(tokens), figsize=(max(6.4, 5.2 * len(tokens)), 5.0), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, n in zip(axes[0], tokens):
         for i, m in enumerate(c["methods"]):
@@ -55,20 +55,24 @@ def png(res: dict, path: Path) -> Path:
                 continue
             x = [r["link_mbit"] for r in rows]
             col = colors[i % len(colors)]
+            if m == "oracle":
+                ax.plot(x, [r["warm_ttft_ms"] for r in rows], "s-", color=col, label="oracle (consumer prefill)")
+                continue
             ax.plot(x, [r["warm_ttft_ms"] for r in rows], "o-", color=col, label=f"{m} warm")
-            if m != "oracle":
-                ax.plot(x, [r["cold_ttft_ms"] for r in rows], "x--", color=col, alpha=0.8, label=f"{m} cold")
-                ax.plot(x, [r["floor_ms"] for r in rows], ":", color=col, alpha=0.6, lw=1, label=f"{m} floor")
+            ax.plot(x, [r["cold_ttft_ms"] for r in rows], "x--", color=col, alpha=0.8, label=f"{m} cold")
+            ax.plot(x, [r["floor_ms"] for r in rows], "_:", color=col, alpha=0.7, lw=1, ms=14, label=f"{m} floor")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link rate (Mbit/s)")
         ax.set_ylabel("TTFT (ms, median)")
         ax.set_title(f"~{n}-token prompt")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best", ncol=2)
-    fig.suptitle(f"TTFT vs link rate, pair {c['pair']} (warm: producer holds the prefill; cold: it prefills; "
-                 "dotted: bytes/rate + decode step)", fontsize=9)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(6, len(labels)), frameon=False)
+    fig.suptitle(f"TTFT vs link rate, pair {c['pair']}, {c['device']}, {c['threads_per_service']} thread(s) per service\n"
+                 "warm: the producer holds the prefill; cold: it prefills first; floor: bytes / rate + one decode step",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * ((len(labels) - 1) // 6), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

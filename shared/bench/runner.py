@@ -193,7 +193,8 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="scd-bench-") as logs, Testbed(cfg.bandwidths_mbit[0], cfg.delay_ms) as tb:
         svc = Services(tb, ServiceSpec(name, pm, cm, store, tuple(cfg.methods), cfg.threads,
-                                       prefill_cache_entries=4, device=cfg.device, dtype=cfg.dtype), Path(logs))
+                                       prefill_cache_entries=2 * len(cfg.methods) + 2, device=cfg.device,
+                                       dtype=cfg.dtype), Path(logs))
         svc.start()
         addr = svc.producer_address
         qdisc_log = {}
@@ -206,24 +207,26 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
                 qdisc_log[f"{bw:g}"] = tb.qdiscs()
                 for n in cfg.tokens:
                     warm_ids = prompts.get(n, 0)
-                    for m in cfg.methods:
+                    cells = {m: dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[]) for m in cfg.methods}
+
+                    def req(m, ids, nopipe=False):
                         bar.set_postfix_str(f"{bw:g} Mbit/s, {n} tok, {m}")
-                        cell = dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[])
+                        r = _request(svc, addr, ids, name, m, prompts.native_prefix, nopipe)
+                        bar.update()
+                        return r
 
-                        def req(ids, nopipe=False):
-                            r = _request(svc, addr, ids, name, m, prompts.native_prefix, nopipe)
-                            bar.update()
-                            return r
-
-                        req(warm_ids)  # warm-up; fills the producer's prefill cache with this prompt
+                    for m in cfg.methods:  # warm-up; fills the producer's prefill cache with this prompt
+                        req(m, warm_ids)
                         if m in transfer and cfg.pipelining:
-                            req(warm_ids, True)
-                        for _ in range(cfg.repeats):  # interleaved, so drifting load hits every variant alike
-                            cell["warm"].append(req(warm_ids))
+                            req(m, warm_ids, True)
+                    for _ in range(cfg.repeats):  # interleaved, so drifting load hits every method and variant alike
+                        for m in cfg.methods:
+                            cells[m]["warm"].append(req(m, warm_ids))
                             if m in transfer:
-                                cell["cold"].append(req(prompts.cold(n)))
+                                cells[m]["cold"].append(req(m, prompts.cold(n)))
                                 if cfg.pipelining:
-                                    cell["nopipe"].append(req(warm_ids, True))
+                                    cells[m]["nopipe"].append(req(m, warm_ids, True))
+                    for m, cell in cells.items():
                         if m not in transfer:  # the Oracle: no producer prefill, warm == cold
                             cell["cold"] = cell["warm"]
                         raw.append(cell)
@@ -277,6 +280,7 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
             warm_ttft_ms=warm["ttft_ms"], warm_ttft_p90_ms=warm["ttft_p90_ms"],
             cold_ttft_ms=cold["ttft_ms"], cold_ttft_p90_ms=cold["ttft_p90_ms"],
             warm_floor_ratio=warm["ttft_ms"] / floor, cold_floor_ratio=cold["ttft_ms"] / floor,
+            warm_prefill_ms=warm["prefill_ms"], cold_prefill_ms=cold["prefill_ms"],
             nopipe_ttft_ms=nopipe["ttft_ms"] if nopipe else None,
             pipelining_gain=nopipe["ttft_ms"] / warm["ttft_ms"] if nopipe else None,
             goodput_mbit=(nopipe or warm)["goodput_mbit"], goodput_pipelined_mbit=warm["goodput_mbit"],
