@@ -57,7 +57,7 @@ class ProducerEngine(TorchWorker):
         if (folder / "meta.json").exists():
             meta, tensors = store.load(folder, "producer", producer_fingerprint=self.fingerprint)
             ctx.artifacts = PairArtifacts(meta, tensors, "producer")
-        for kind in ("droidspeak",):
+        for kind in (k for k, cls in CODECS.items() if "profile" in cls.requires):
             if (folder.parent / f"{folder.name}.{kind}.json").exists():
                 ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, self.fingerprint)
         return ctx

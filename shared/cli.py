@@ -374,7 +374,8 @@ def calibrate(
     out: Path = typer.Option(Path("artifacts/store"), help="Artifact store directory."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Calibrate on your own prompts (JSONL)."),
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_k=64 (repeatable)."),
-    method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts) or droidspeak (recompute-block profile)."),
+    method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts), droidspeak (recompute blocks), ridge "
+                                          "(cross-model maps) or spectrum (int4 probe)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
@@ -411,13 +412,38 @@ def calibrate(
         typer.echo(f"droidspeak blocks {prof['blocks']} written to {path}")
         typer.echo(json.dumps(prof["report"]))
         return
-    if method != "scd":
-        raise typer.BadParameter(f"expected one of ['droidspeak', 'scd'], got {method!r}")
+    if method == "spectrum":
+        from shared.artifacts import store
+        from shared.calibration.spectrum import probe
+        from shared.model.fingerprint import weights_fingerprint
+
+        prof = probe(producer, consumer, val, **overrides)
+        path = store.save_profile(out, pair, "spectrum", prof, weights_fingerprint(producer.model),
+                                  weights_fingerprint(consumer.model))
+        typer.echo(f"spectrum int4 {'allowed' if prof['int4'] else 'disabled (two-tier fp16 + int8)'}; written to {path}")
+        typer.echo(json.dumps(prof["report"]))
+        return
+    if method not in ("scd", "ridge"):
+        raise typer.BadParameter(f"expected one of ['droidspeak', 'ridge', 'scd', 'spectrum'], got {method!r}")
     if data_file:
         cal = [it.prompt_ids for it in data.load_jsonl_prompts(data_file, tok)]
     else:  # interleave QA and LM calibration prompts
         qa, lm = data.load("qa", "calibration"), data.load("lm", "calibration")
         cal = [x.prompt_ids for pair_ in zip(qa, lm) for x in pair_] + [x.prompt_ids for x in qa[len(lm):]]
+    if method == "ridge":
+        from shared.artifacts import store
+        from shared.calibration.ridge import calibrate as fit_ridge
+        from shared.model.fingerprint import weights_fingerprint
+
+        n_prompts = int(overrides.pop("n_prompts", 64))
+        tensors, prof = fit_ridge(producer, consumer, cal[:n_prompts], val, **overrides)
+        path = store.save_profile(out, pair, "ridge", prof, weights_fingerprint(producer.model),
+                                  weights_fingerprint(consumer.model), tensors=tensors)
+        r = prof["report"]
+        typer.echo(f"ridge maps (top_k={prof['top_k']}, alpha={prof['alpha']}) written to {path}; validation KL "
+                   f"{r['kl']:.4f} vs raw {r['raw_kl']:.4f}")
+        typer.echo(json.dumps({k: v for k, v in r.items() if k != "r2_per_layer"}))
+        return
     folder, report = run(producer, consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]))
     v = report["validation"]
     typer.echo(f"artifacts written to {folder}")
@@ -481,14 +507,18 @@ def eval_(
         pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
     from shared.eval.harness import oracle
 
-    if "droidspeak" in names and params.get("droidspeak", {}).get("blocks", "auto") == "auto":
+    for kind in (m for m in names if "profile" in CODECS[m].requires):
         try:
-            prof = store.load_profile(store_dir, pair, "droidspeak", weights_fingerprint(producer.model),
+            prof = store.load_profile(store_dir, pair, kind, weights_fingerprint(producer.model),
                                       weights_fingerprint(consumer.model))
         except SCDError as e:
+            explicit = (kind == "droidspeak" and params.get(kind, {}).get("blocks", "auto") != "auto") or \
+                       (kind == "spectrum" and params.get(kind, {}).get("int4", "auto") != "auto")
+            if explicit:
+                continue
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
-        pctx.profiles["droidspeak"] = cctx.profiles["droidspeak"] = prof
+        pctx.profiles[kind] = cctx.profiles[kind] = prof
     if sweep:
         from shared.eval import sweep as sw
 

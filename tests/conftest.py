@@ -66,3 +66,28 @@ def tiny_droidspeak(tiny_pair):
     g = torch.Generator().manual_seed(12)
     val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
     return profile(producer, consumer, val, budget_layers=2, block_len=2, n_val=3, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_spectrum(tiny_pair):
+    """SpectrumKV's int4 probe run on the tiny pair (the real probe)."""
+    from shared.calibration.spectrum import probe
+
+    producer, consumer = tiny_pair
+    g = torch.Generator().manual_seed(13)
+    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
+    return probe(producer, consumer, val, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_ridge(tiny_pair):
+    """The cross-model ridge maps calibrated on the tiny pair (the real calibration, small grid)."""
+    from shared.calibration.ridge import calibrate
+
+    producer, consumer = tiny_pair
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(24)]
+    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(4)]
+    tensors, payload = calibrate(producer, consumer, prompts, val, top_ks=(1, 2), alphas=(1e-2,), n_val=4,
+                                 progress=False)
+    return {**payload, "tensors": tensors}

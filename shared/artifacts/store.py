@@ -101,14 +101,21 @@ def describe(folder: str | Path) -> dict:
 
 
 def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, producer_fingerprint: str,
-                 consumer_fingerprint: str) -> Path:
+                 consumer_fingerprint: str, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """A small JSON artifact of a baseline (e.g. DroidSpeak's recompute blocks), written atomically
-    beside the pair's SCD artifacts: ``<store>/<pair>.<kind>.json``, pinned to both models."""
+    beside the pair's SCD artifacts: ``<store>/<pair>.<kind>.json``, pinned to both models. A baseline
+    with weights (the ridge mapper) adds ``<pair>.<kind>.safetensors``, whose sha256 the JSON records."""
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
     path = store_dir / f"{pair}.{kind}.json"
     body = {"pair": pair, "kind": kind, "format_version": FORMAT_VERSION, "producer_fingerprint": producer_fingerprint,
             "consumer_fingerprint": consumer_fingerprint, **payload}
+    if tensors is not None:
+        fd, tmp_t = tempfile.mkstemp(prefix=f".{pair}.{kind}.", suffix=".safetensors", dir=store_dir)
+        os.close(fd)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_t)
+        body["tensors_sha256"] = _sha256(Path(tmp_t))
+        os.replace(tmp_t, store_dir / f"{pair}.{kind}.safetensors")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=store_dir)
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(body, indent=2) + "\n")
@@ -126,4 +133,12 @@ def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerpri
         if want is not None and body.get(f"{who}_fingerprint") != want:
             raise FingerprintMismatch(f"{path} was profiled for {who} weights {body.get(f'{who}_fingerprint')!r}, "
                                       f"not {want!r}: rerun `scd calibrate --pair {pair} --method {kind}`")
+    if "tensors_sha256" in body:
+        tpath = path.with_suffix(".safetensors")
+        if not tpath.exists():
+            raise NotFound(f"{tpath} is missing: rerun `scd calibrate --pair {pair} --method {kind}`")
+        if _sha256(tpath) != body["tensors_sha256"]:
+            raise DataLoss(f"{tpath} does not match the sha256 in {path}: it was modified or corrupted; restore it "
+                           f"or rerun `scd calibrate --pair {pair} --method {kind}`")
+        body["tensors"] = load_file(tpath)
     return body

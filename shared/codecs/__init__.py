@@ -10,8 +10,10 @@ from shared.codecs.base import CodecContext, DecodeJob, DecodeSession, MethodCon
 from shared.codecs.oracle import Oracle
 from shared.codecs.quantized import QuantKV
 from shared.codecs.raw import RawKV
+from shared.codecs.ridge import RidgeMap
 from shared.codecs.scd import SCD, SCDReuse
 from shared.codecs.selective_recompute import DroidSpeak
+from shared.codecs.spectrum import SpectrumKV
 from shared.errors import InvalidRequest, UnknownMethod
 
 
@@ -24,9 +26,10 @@ def _registry(*classes: type[TransferMethod]) -> dict[str, type[TransferMethod]]
     return out
 
 
-CODECS = _registry(Oracle, RawKV, QuantKV, DroidSpeak, SCDReuse, SCD)
+CODECS = _registry(Oracle, RawKV, QuantKV, SpectrumKV, DroidSpeak, RidgeMap, SCDReuse, SCD)
 CodecConfig = Annotated[
-    Union[Oracle.Config, RawKV.Config, QuantKV.Config, DroidSpeak.Config, SCDReuse.Config, SCD.Config], Field(discriminator="kind")
+    Union[Oracle.Config, RawKV.Config, QuantKV.Config, SpectrumKV.Config, DroidSpeak.Config, RidgeMap.Config,
+          SCDReuse.Config, SCD.Config], Field(discriminator="kind")
 ]
 _ADAPTER = TypeAdapter(CodecConfig)
 

@@ -18,6 +18,10 @@ def points(names: list[str], droidspeak_blocks: list[list[int]] | None, scd_patc
             out += [(f"raw[{d}]", "raw", {"dtype": d}) for d in ("float16", "bfloat16")]
         elif m == "quant":
             out += [(f"quant[bits={b}]", "quant", {"bits": str(b)}) for b in (8, 4)]
+        elif m == "spectrum":
+            out += [(f"spectrum[b={b}]", "spectrum", {"budget": str(b)}) for b in (0.3, 0.5, 0.7)]
+        elif m == "ridge":
+            out.append(("ridge", "ridge", {}))
         elif m == "droidspeak" and droidspeak_blocks:
             for i in range(1, len(droidspeak_blocks) + 1):
                 spec = ",".join(f"{a}-{b}" for a, b in droidspeak_blocks[:i])

@@ -212,6 +212,13 @@ class ModelAdapter:
         return k, self._split_heads(attn.v_proj(h))
 
     @torch.inference_mode()
+    def queries(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE queries [B, H_q, T, D] of ``layer`` from a normalized pre-attention input [B, T, d]."""
+        q = self.layers[layer].self_attn.q_proj(hidden.to(self.device, self.dtype))
+        b, t, _ = q.shape
+        return q.view(b, t, -1, self.head_dim).transpose(1, 2)
+
+    @torch.inference_mode()
     def run_layers(
         self, residual: torch.Tensor, first: int, last: int, start: int = 0
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:

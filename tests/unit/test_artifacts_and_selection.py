@@ -61,3 +61,23 @@ def test_selection_picks_the_planted_layer(tiny_artifacts):
     assert store.load_meta(folder).patch_layers == [2]
     v = report["validation"]
     assert report["selected_kl"] < v["reuse_only_kl"] and report["selected_kl"] < v["raw_kl"]
+
+
+def test_profile_with_tensors_round_trips_and_a_tampered_file_is_refused(tmp_path):
+    import torch
+
+    from shared.artifacts import store
+    from shared.errors import DataLoss, FingerprintMismatch
+
+    t = {"w.0": torch.randn(2, 3), "src.0": torch.tensor([0], dtype=torch.int32)}
+    store.save_profile(tmp_path, "p", "ridge", {"top_k": 1}, "pf", "cf", tensors=t)
+    body = store.load_profile(tmp_path, "p", "ridge", "pf", "cf")
+    assert body["top_k"] == 1 and torch.equal(body["tensors"]["w.0"], t["w.0"])
+    with pytest.raises(FingerprintMismatch):
+        store.load_profile(tmp_path, "p", "ridge", "other", "cf")
+    path = tmp_path / "p.ridge.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DataLoss, match="sha256"):
+        store.load_profile(tmp_path, "p", "ridge")

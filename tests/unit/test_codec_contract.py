@@ -20,13 +20,14 @@ def test_registry_keys_match_config_union():
 
 
 @pytest.fixture(scope="module")
-def contexts(tiny_pair, tiny_artifacts, tiny_droidspeak):
+def contexts(tiny_pair, tiny_artifacts, tiny_droidspeak, tiny_spectrum, tiny_ridge):
     producer, consumer = tiny_pair
     folder, _ = tiny_artifacts
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
-    return (CodecContext(producer, PairArtifacts(meta, pt, "producer"), {"droidspeak": tiny_droidspeak}),
-            CodecContext(consumer, PairArtifacts(meta, ct, "consumer"), {"droidspeak": tiny_droidspeak}))
+    profiles = {"droidspeak": tiny_droidspeak, "spectrum": tiny_spectrum, "ridge": tiny_ridge}
+    return (CodecContext(producer, PairArtifacts(meta, pt, "producer"), profiles),
+            CodecContext(consumer, PairArtifacts(meta, ct, "consumer"), profiles))
 
 
 def _transfer(kind, pctx, cctx, start=0, params=None):
@@ -72,7 +73,8 @@ def test_round_trip_shapes_dtypes_and_determinism(kind, contexts):
 def test_same_model_methods_are_exact_or_within_bound(kind, contexts):
     pctx, _ = contexts
     same = CodecContext(pctx.model)
-    for params in ({}, {"dtype": "float32"}) if kind == "raw" else ({},):
+    variants = {"raw": ({}, {"dtype": "float32"}), "spectrum": ({"int4": "on"}, {"int4": "off", "budget": "0.6"})}
+    for params in variants.get(kind, ({},)):
         method = make_method(kind, same, params)
         cache, _, _ = _transfer(kind, same, same, params=params)
         native = same.model.own_cache(IDS[:-1])
@@ -153,3 +155,81 @@ def test_droidspeak_recompute_is_exact_between_identical_models(contexts):
     for layer in (1, 2):
         err = float((cache.layers[layer].values - native.layers[layer].values).norm() / native.layers[layer].values.norm())
         assert err < 5e-3, err
+
+
+def test_spectrum_allocation_protects_sinks_and_spends_the_budget():
+    from shared.codecs.spectrum import FP16, INT4, INT8, allocate, tier_costs
+
+    imp = torch.rand(200, generator=torch.Generator().manual_seed(3))
+    imp[:4] = 0.0  # sinks score nothing here, yet stay fp16
+    for budget, int4 in ((0.5, True), (0.7, True), (0.7, False)):
+        tiers = allocate(imp, 4, budget, int4, 32, 0.5)
+        assert (tiers[:4] == FP16).all()
+        costs = tier_costs(32)
+        spent = sum(costs[t] * int((tiers == t).sum()) for t in (FP16, INT8, INT4)) / len(tiers)
+        assert budget - 0.02 <= spent <= budget + 1e-9, (budget, int4, spent)
+        assert int4 or not (tiers == INT4).any()
+        order = imp.clone()
+        order[:4] = float("inf")
+        fp = order[tiers == FP16].min()
+        assert (order[tiers != FP16] <= fp).all()  # the most attended tokens get the fp16 slots
+
+
+def test_spectrum_ranks_by_attention_from_the_window(contexts):
+    pctx, _ = contexts
+    m = make_method("spectrum", CodecContext(pctx.model), {"int4": "on"})
+    state = pctx.model.prefill(IDS[:-1], hidden_layers=m.hidden_layers())
+    imp = m.importance(state, 1)
+    w = m.cfg.window
+    assert imp.shape == (len(IDS) - 1,)
+    # each of the window's queries spreads one unit of attention per head over the positions it sees
+    n_q_heads = pctx.model.config.num_attention_heads
+    torch.testing.assert_close(imp.sum(), torch.tensor(float(w * n_q_heads)), rtol=1e-4, atol=1e-3)
+
+
+def test_spectrum_probe_result_drives_auto_int4(tiny_spectrum):
+    assert isinstance(tiny_spectrum["int4"], bool)
+    trials = tiny_spectrum["report"]["trials"]
+    assert len(trials) == 3
+    # the two-tier policy keeps at least the three-tier policy's fidelity to fp16
+    assert all(t["two_tier"]["kl_vs_fp16"] <= t["three_tier"]["kl_vs_fp16"] + 1e-6 for t in trials)
+
+
+def test_ridge_calibration_reduces_validation_kl_and_maps_from_top_k_layers(tiny_ridge):
+    r = tiny_ridge["report"]
+    assert r["kl"] < r["raw_kl"]
+    k = tiny_ridge["top_k"]
+    assert all(len(src) == k for src in tiny_ridge["sources"].values())
+    # layers 0-1 of the tiny pair are identical, so each maps best from its own producer layer
+    assert tiny_ridge["sources"]["0"][0] == 0 or 0 in tiny_ridge["sources"]["0"]
+
+
+def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
+    """A consumer whose layer-3 V is an exact linear function of the producer's layer-3 K/V per head
+    is mapped almost exactly."""
+    from shared.calibration import ridge
+
+    producer, _ = tiny_pair
+    L, H, D = producer.n_layers, producer.n_kv_heads, producer.head_dim
+    g = torch.Generator().manual_seed(21)
+    A = torch.randn(H, 2 * D, 2 * D, generator=g) / (2 * D) ** 0.5
+
+    class Planted:
+        n_layers, n_kv_heads, head_dim = L, H, D
+
+        def prefill(self, ids):
+            s = producer.prefill(ids)
+            kv = torch.cat([s.keys[3][0], s.values[3][0]], -1) @ A  # [H, T, 2D]
+            keys = list(s.keys)
+            values = list(s.values)
+            keys[3], values[3] = kv[..., :D].unsqueeze(0), kv[..., D:].unsqueeze(0)
+            return type(s)(tuple(keys), tuple(values))
+
+    prompts = [torch.randint(0, 256, (40,), generator=g).tolist() for _ in range(12)]
+    moms = ridge.collect(producer, Planted(), prompts, progress=False)
+    tensors, ranking, r2 = ridge.fit(moms, L, D, top_k=1, alpha=1e-6)
+    assert ranking[3][0] == 3 and r2[3] > 0.999
+    ids = prompts[0][:-1]
+    s, t = producer.prefill(ids), Planted().prefill(ids)
+    k, v = ridge.apply(tensors, s.keys, s.values, 3, 0, D)
+    assert float((v - t.values[3]).norm() / t.values[3].norm()) < 0.02

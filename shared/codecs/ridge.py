@@ -1,0 +1,39 @@
+"""``ridge``: the cross-model mapper (seed 004). The producer maps its K/V into the consumer's space
+with the pair's closed-form per-head ridge maps (from the top-k most predictive producer layers,
+keys pre-RoPE) and sends the mapped K/V in fp16; the consumer uses them as they are. The maps are
+the pair's profile (``scd calibrate --method ridge``), needed on the producer only."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from shared.codecs.base import MethodConfig, TransferMethod
+from shared.codecs.raw import RawSession
+from shared.errors import ConfigError
+
+
+class RidgeMap(TransferMethod):
+    kind: ClassVar[str] = "ridge"
+    cross_model: ClassVar[bool] = True
+    requires: ClassVar[frozenset[str]] = frozenset({"profile"})
+
+    class Config(MethodConfig):
+        kind: Literal["ridge"] = "ridge"
+
+    Session = RawSession
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        prof = ctx.profiles.get("ridge")
+        if prof is None or "tensors" not in prof:
+            raise ConfigError("ridge needs the pair's maps: run `scd calibrate --pair NAME --method ridge`")
+        self.maps = prof["tensors"]
+        n = ctx.model.n_layers
+        if any(f"w.{l}" not in self.maps for l in range(n)):
+            raise ConfigError(f"the ridge profile does not cover the model's {n} layers: recalibrate the pair")
+
+    def encode_layer(self, state, layer, start):
+        from shared.calibration.ridge import apply
+
+        k, v = apply(self.maps, state.keys, state.values, layer, start, self.ctx.model.head_dim)
+        return {"k": k.half(), "v": v.half()}
