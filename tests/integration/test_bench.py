@@ -138,26 +138,29 @@ def test_bench_smallest_form(tiny_dirs, tmp_path):
 
 
 @needs_netns
-def test_bench_cleans_up_on_sigterm(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_bench_cleans_up_on_signal(tiny_dirs, tmp_path, sig):
     import signal
     import time
 
+    sig = getattr(signal, sig)
     proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "raw", "--bandwidths", "10",
-                                       "--tokens", "400", "--repeats", "50"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                       "--tokens", "400", "--repeats", "200"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     try:
         t0 = time.monotonic()
         while len(_left(proc.pid)) < 2 and time.monotonic() - t0 < 60 and proc.poll() is None:
             time.sleep(0.2)
         assert len(_left(proc.pid)) == 2, "namespaces never appeared"
         time.sleep(3)  # services starting or serving
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert not _left(proc.pid), "SIGTERM left namespaces behind"
+    assert not _left(proc.pid), f"{sig!r} left namespaces behind"
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(tiny_dirs[0]) not in ps, "a service outlived the benchmark"
 
