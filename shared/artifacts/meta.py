@@ -23,6 +23,9 @@ class ArtifactMeta(BaseModel):
     hidden_size: int
     r_k: int
     r_v: int
+    reuse_code: Literal["separate", "joint"] = "separate"
+    """``separate``: K and V codes of ranks r_k, r_v; ``joint``: one [K | V] code of rank r_kv."""
+    r_kv: int = 0
     r_h: int
     code_bits: Literal[8, 16]
     center: bool

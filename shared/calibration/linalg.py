@@ -26,6 +26,12 @@ class Moments:
         self.sum += x.sum(0, dtype=torch.float64)
         self.gram += (x.T @ x).to(torch.float64)
 
+    def sub(self, idx: torch.Tensor) -> "Moments":
+        """The moments of a subset of the columns."""
+        out = Moments(len(idx))
+        out.n, out.sum, out.gram = self.n, self.sum[idx].clone(), self.gram[idx][:, idx].clone()
+        return out
+
     @property
     def mean(self) -> torch.Tensor:
         return self.sum / max(self.n, 1)

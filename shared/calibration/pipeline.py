@@ -32,8 +32,12 @@ class CalibrationSettings(BaseModel):
     n_prompts: int = Field(64, ge=2)
     """Calibration prompts (paired traces)."""
     max_prompt_tokens: int = Field(1024, ge=16)
+    reuse_code: Literal["joint", "separate"] = "joint"
+    """``separate``: the paper's REUSE, one code for K and one for V (ranks r_k, r_v); ``joint``: one
+    code of [K | V] per layer (rank r_kv), which measured better at the same bytes."""
     r_k: int = Field(96, ge=1)
     r_v: int = Field(128, ge=1)
+    r_kv: int = Field(224, ge=1)
     r_h: int = Field(128, ge=1)
     code_bits: Literal[8, 16] = 8
     center: bool = True
@@ -68,6 +72,10 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     """Fit and write the pair's artifacts into store ``out``; returns (folder, report)."""
     torch.manual_seed(cfg.seed)
     L, m = producer.n_layers, producer.kv_dim
+    ranks = (("r_kv", cfg.r_kv, 2 * m),) if cfg.reuse_code == "joint" else (("r_k", cfg.r_k, m), ("r_v", cfg.r_v, m))
+    for name, r, width in (*ranks, ("r_h", cfg.r_h, producer.hidden_size)):
+        if r > width:
+            raise ValueError(f"{name}={r} is larger than the {width} numbers it codes; choose {name} <= {width}")
     report: dict = {}
     t_all = t = time.perf_counter()
     prompts = [p[: cfg.max_prompt_tokens] for p in cal_prompts[: cfg.n_prompts]]
@@ -75,13 +83,22 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     t = _stage(report, "traces", t)
 
     def fit(rk, rv):
-        return ([fit_reuse(tr.k[l], m, rk, cfg.ridge, cfg.center) for l in range(L)],
-                [fit_reuse(tr.v[l], m, rv, cfg.ridge, cfg.center) for l in range(L)])
+        """Per layer, the (K map, V map) of separate codes."""
+        return [(fit_reuse(tr.k(l), m, min(rk, m), cfg.ridge, cfg.center),
+                 fit_reuse(tr.v(l), m, min(rv, m), cfg.ridge, cfg.center))
+                for l in range(L)]
 
-    mk, mv = fit(cfg.r_k, cfg.r_v)
+    def fit_joint(r):
+        """Per layer, the (KV map,) of one joint code."""
+        return [(fit_reuse(tr.kv[l], 2 * m, min(r, 2 * m), cfg.ridge, cfg.center),) for l in range(L)]
+
+    sep = fit(cfg.r_k, cfg.r_v)
+    joint = fit_joint(cfg.r_kv)
+    maps0 = joint if cfg.reuse_code == "joint" else sep
     pcas = [pca(tr.h[l], cfg.r_h, cfg.center) for l in range(L)]
-    report["layers"] = [{"layer": l, "k_var_explained": mk[l].var_explained, "v_var_explained": mv[l].var_explained,
-                         "k_rel_err": mk[l].rel_err, "v_rel_err": mv[l].rel_err, "h_var_explained": pcas[l][2]}
+    report["layers"] = [{"layer": l, "k_var_explained": sep[l][0].var_explained, "v_var_explained": sep[l][1].var_explained,
+                         "k_rel_err": sep[l][0].rel_err, "v_rel_err": sep[l][1].rel_err,
+                         "kv_var_explained": joint[l][0].var_explained, "h_var_explained": pcas[l][2]}
                         for l in range(L)]
     t = _stage(report, "reuse_fit", t)
 
@@ -92,10 +109,10 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     reuse_cache: dict = {}
 
     def reuse(i, l, maps=None):
-        maps = maps or (mk, mv)
-        key = (id(maps[0]), id(maps[1]), i, l)
+        maps = maps or maps0
+        key = (id(maps), i, l)
         if key not in reuse_cache:
-            reuse_cache[key] = sel.reuse_kv(vps[i], l, maps[0][l], maps[1][l], bits, consumer)
+            reuse_cache[key] = sel.reuse_kv(vps[i], l, maps[l], bits, consumer)
         return reuse_cache[key]
 
     aligners: dict[int, object] = {}
@@ -122,7 +139,9 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:],
                                             vps[i].state.values[l][:, :, vps[i].start:]), consumer)
     base_kl = kl_with({})
-    report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl}
+    report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl,
+                            "reuse_only_kl_separate": base_kl if cfg.reuse_code == "separate" else kl_with({}, sep),
+                            "reuse_only_kl_joint": base_kl if cfg.reuse_code == "joint" else kl_with({}, joint)}
     lin = {l: linear_aligner(l) for l in range(L)}
     sens = sel.restore_one(list(range(L)), base_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
     report["sensitivity"] = [{"layer": l, "gain": g} for l, g in sens.items()]
@@ -137,7 +156,9 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         report["layers"][l].update({f"aligner_{k}": v for k, v in rep.items()})
     t = _stage(report, "aligners", t)
 
-    reuse_bytes = cfg.r_k + cfg.r_v + 4 if bits == 8 else 2 * (cfg.r_k + cfg.r_v)  # per token, both scales
+    width = cfg.r_kv if cfg.reuse_code == "joint" else cfg.r_k + cfg.r_v
+    scales = 2 if cfg.reuse_code == "joint" else 4
+    reuse_bytes = width + scales if bits == 8 else 2 * width  # per token, scales included
     patch_bytes = cfg.r_h + 2 if bits == 8 else 2 * cfg.r_h
     cost = lambda l: patch_bytes / reuse_bytes + cfg.patch_compute_cost  # noqa: E731
     steps = max(cfg.budget_k, 8 if cfg.ablations else 0)
@@ -151,17 +172,22 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         report["ablation_patch_budget"] = [{"k": k, "kl": kl_at[min(k, len(path))]} for k in (0, 1, 2, 4, 6, 8)]
         patches = {l: aligners[l] for l in chosen}
         sweep = []
-        for which in ("k", "v"):
+        for which in ("k", "v"):  # the paper's separate codes: does K compress harder than V?
             for r in sorted({32, 64, 96, 128, 160, m}):
                 maps = fit(r, cfg.r_v) if which == "k" else fit(cfg.r_k, r)
                 sweep.append({"which": which, "rank": r, "kl": kl_with(patches, maps)})
                 reuse_cache.clear()
         report["ablation_ranks"] = sweep
+        report["ablation_joint_rank"] = []
+        for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
+            report["ablation_joint_rank"].append({"rank": r, "kl": kl_with(patches, fit_joint(r))})
+            reuse_cache.clear()
         t = _stage(report, "ablations", t)
 
     prod_t, cons_t = {}, {}
+    names = ("kv",) if cfg.reuse_code == "joint" else ("k", "v")
     for l in range(L):
-        for kv, mp in (("k", mk[l]), ("v", mv[l])):
+        for kv, mp in zip(names, maps0[l]):
             prod_t[f"enc.{kv}.{l}"], prod_t[f"mu_p.{kv}.{l}"] = mp.enc.half(), mp.mu_p.half()
             cons_t[f"dec.{kv}.{l}"], cons_t[f"mu_c.{kv}.{l}"] = mp.dec.half(), mp.mu_c.half()
     for l in chosen:
@@ -177,6 +203,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         pair=cfg.pair, producer_fingerprint=weights_fingerprint(producer.model),
         consumer_fingerprint=weights_fingerprint(consumer.model), n_layers=L, n_kv_heads=producer.n_kv_heads,
         head_dim=producer.head_dim, hidden_size=producer.hidden_size, r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h,
+        reuse_code=cfg.reuse_code, r_kv=cfg.r_kv if cfg.reuse_code == "joint" else 0,
         code_bits=cfg.code_bits, center=cfg.center, patch_layers=sorted(chosen), aligner_hidden=cfg.aligner_hidden,
         calibration={"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                      "settings": cfg.model_dump()},

@@ -56,10 +56,18 @@ def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tu
     return out
 
 
-def reuse_kv(vp: ValPrompt, layer: int, mk: ReuseMap, mv: ReuseMap, bits: int, model: ModelAdapter):
+def reuse_kv(vp: ValPrompt, layer: int, maps: tuple[ReuseMap, ...], bits: int, model: ModelAdapter):
+    """REUSE through the wire: ``maps`` is (K map, V map) for separate codes or (KV map,) for one
+    joint code of [K | V]."""
+    k, v = (flat(x[:, :, vp.start:]).float() for x in (vp.state.keys[layer], vp.state.values[layer]))
+    if len(maps) == 1:
+        m = maps[0]
+        z = roundtrip((torch.cat([k, v], 1) - m.mu_p) @ m.enc, bits)
+        y = m.mu_c + z @ m.dec
+        return heads(y[:, : k.shape[1]], model), heads(y[:, k.shape[1]:], model)
     out = []
-    for m, x in ((mk, vp.state.keys[layer]), (mv, vp.state.values[layer])):
-        z = roundtrip((flat(x[:, :, vp.start:]).float() - m.mu_p) @ m.enc, bits)
+    for m, x in zip(maps, (k, v)):
+        z = roundtrip((x - m.mu_p) @ m.enc, bits)
         out.append(heads(m.mu_c + z @ m.dec, model))
     return tuple(out)
 

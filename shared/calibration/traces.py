@@ -14,13 +14,21 @@ from shared.model.hf_adapter import ModelAdapter, to_rows as flat
 
 @dataclass
 class Traces:
-    k: list[Moments]  # per layer, moments of [k_p | k_c]
-    v: list[Moments]
+    kv: list[Moments]  # per layer, moments of [k_p | v_p | k_c | v_c]
     h: list[Moments]  # per layer, moments of the producer's h_l
     h_p: list[list[torch.Tensor]] = field(default_factory=list)  # per layer, sampled rows
     h_c: list[list[torch.Tensor]] = field(default_factory=list)
     n_prompts: int = 0
     n_tokens: int = 0
+
+    def k(self, layer: int) -> Moments:
+        """Moments of [k_p | k_c] (the separate K code)."""
+        m = self.kv[layer].sum.numel() // 4
+        return self.kv[layer].sub(torch.cat([torch.arange(0, m), torch.arange(2 * m, 3 * m)]))
+
+    def v(self, layer: int) -> Moments:
+        m = self.kv[layer].sum.numel() // 4
+        return self.kv[layer].sub(torch.cat([torch.arange(m, 2 * m), torch.arange(3 * m, 4 * m)]))
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.h_p[layer]), torch.cat(self.h_c[layer])
@@ -29,8 +37,8 @@ class Traces:
 def collect(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[list[int]], rows_per_layer: int = 4096,
             seed: int = 0, progress: bool = True) -> Traces:
     L, m, d = producer.n_layers, producer.kv_dim, producer.hidden_size
-    tr = Traces([Moments(2 * m) for _ in range(L)], [Moments(2 * m) for _ in range(L)], [Moments(d) for _ in range(L)],
-                [[] for _ in range(L)], [[] for _ in range(L)])
+    tr = Traces([Moments(4 * m) for _ in range(L)], [Moments(d) for _ in range(L)], [[] for _ in range(L)],
+                [[] for _ in range(L)])
     g = torch.Generator().manual_seed(seed)
     per_prompt = max(1, rows_per_layer // max(1, len(prompts)))
     layers = list(range(L))
@@ -41,8 +49,7 @@ def collect(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[list[i
         T = len(ctx)
         pick = torch.randperm(T, generator=g)[:per_prompt]
         for l in layers:
-            tr.k[l].add(torch.cat([flat(sp.keys[l]), flat(sc.keys[l])], 1).cpu())
-            tr.v[l].add(torch.cat([flat(sp.values[l]), flat(sc.values[l])], 1).cpu())
+            tr.kv[l].add(torch.cat([flat(sp.keys[l]), flat(sp.values[l]), flat(sc.keys[l]), flat(sc.values[l])], 1).cpu())
             hp, hc = sp.hidden[l][0].cpu(), sc.hidden[l][0].cpu()
             tr.h[l].add(hp)
             tr.h_p[l].append(hp[pick].float().clone())

@@ -1,8 +1,9 @@
 """``scd`` (REUSE + PATCH) and ``scd-reuse`` (REUSE only): Semantic Cache Distillation.
 
-REUSE, at every layer not patched, separately for K and V: the producer sends the low-rank code
-``z = (x_p - mu_p) E`` (r numbers per token instead of 192), the consumer decodes
-``x̂_c = mu_c + z D``. PATCH, at the few transition layers chosen by calibration: the producer
+REUSE, at every layer not patched: the producer sends the low-rank code ``z = (x_p - mu_p) E``,
+the consumer decodes ``x̂_c = mu_c + z D``; either separately for K and V (the paper's form, r_k
+and r_v numbers per token instead of 192 each) or one code of the joint [K | V] (r_kv numbers
+instead of 384), as the artifacts say. PATCH, at the few transition layers chosen by calibration: the producer
 sends a PCA code ``u = (h_p - mu_h) W_H`` of its normalized pre-attention input, the consumer maps
 it with its MLP aligner to its own pre-attention space and regenerates K and V with its own
 ``k_proj``/``v_proj``. Codes travel as int8 with a per-token fp16 scale (or fp16), per the
@@ -98,9 +99,11 @@ class SCD(TransferMethod):
             h = state.hidden[layer][0, start:].float()
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
             return self._code(u, "u")
+        k, v = (to_rows(x[:, :, start:]).float() for x in (state.keys[layer], state.values[layer]))
+        parts = (("kv", torch.cat([k, v], 1)),) if self.meta.reuse_code == "joint" else (("k", k), ("v", v))
         out = {}
-        for kv, x in (("k", state.keys[layer]), ("v", state.values[layer])):
-            z = (to_rows(x[:, :, start:]).float() - a.t(f"mu_p.{kv}.{layer}", dev)) @ a.t(f"enc.{kv}.{layer}", dev)
+        for kv, x in parts:
+            z = (x - a.t(f"mu_p.{kv}.{layer}", dev)) @ a.t(f"enc.{kv}.{layer}", dev)
             out.update(self._code(z, f"z{kv}"))
         return out
 
@@ -118,12 +121,15 @@ class SCD(TransferMethod):
     def _reuse(self, layer, tensors):
         m = self.ctx.model
         dev, a = m.device, self.art
-        out = []
-        for kv, r in (("k", self.meta.r_k), ("v", self.meta.r_v)):
+        joint = self.meta.reuse_code == "joint"
+        parts = (("kv", self.meta.r_kv),) if joint else (("k", self.meta.r_k), ("v", self.meta.r_v))
+        xs = []
+        for kv, r in parts:
             z = self._uncode(tensors, f"z{kv}", r).to(dev)
-            x = a.t(f"mu_c.{kv}.{layer}", dev) + z @ a.t(f"dec.{kv}.{layer}", dev)
-            out.append(from_rows(x, m.n_kv_heads, m.head_dim))
-        return out[0], out[1]
+            xs.append(a.t(f"mu_c.{kv}.{layer}", dev) + z @ a.t(f"dec.{kv}.{layer}", dev))
+        if joint:
+            xs = [xs[0][:, : m.kv_dim], xs[0][:, m.kv_dim:]]
+        return tuple(from_rows(x, m.n_kv_heads, m.head_dim) for x in xs)
 
     def _aligner(self, layer) -> Aligner:
         if layer not in self._aligners:

@@ -233,3 +233,32 @@ def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
     s, t = producer.prefill(ids), Planted().prefill(ids)
     k, v = ridge.apply(tensors, s.keys, s.values, 3, 0, D)
     assert float((v - t.values[3]).norm() / t.values[3].norm()) < 0.02
+
+
+def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path):
+    """The joint [K | V] REUSE code (the default of `scd calibrate`): written, loaded, served."""
+    from shared.calibration.pipeline import CalibrationSettings, calibrate
+
+    producer, consumer = tiny_pair
+    g = torch.Generator().manual_seed(15)
+    prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
+    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
+    cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False)
+    folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
+    meta, pt = store.load(folder, "producer")
+    _, ct = store.load(folder, "consumer")
+    assert meta.reuse_code == "joint" and meta.r_kv == 40 and "enc.kv.0" in pt and "dec.kv.0" in ct
+    assert report["validation"]["reuse_only_kl"] < report["validation"]["raw_kl"]
+    pctx, cctx = CodecContext(producer, PairArtifacts(meta, pt, "producer")), CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
+    cache, nbytes, enc = _transfer("scd", pctx, cctx)
+    assert set(enc[0]) == {"zkv", "zkv_scale"} and enc[0]["zkv"].shape == (len(IDS) - 1, 40)
+    raw, raw_bytes, _ = _transfer("raw", pctx, cctx, params={"dtype": "float32"})
+    native = consumer.own_cache(IDS[:-1])
+
+    def err(c):
+        return sum(float((c.layers[l].values - native.layers[l].values).norm() / native.layers[l].values.norm())
+                   for l in range(2, consumer.n_layers))
+
+    assert err(cache) < err(raw)
+    with pytest.raises(ValueError, match="r_kv=999"):
+        calibrate(producer, consumer, prompts, val, cfg.model_copy(update={"r_kv": 999}), str(tmp_path), "x", progress=False)
