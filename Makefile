@@ -51,6 +51,8 @@ bench-quick: install assets
 calibrate: install assets
 	$(SCD) calibrate --pair strong --out artifacts/store
 	$(SCD) calibrate --pair strong --method droidspeak --out artifacts/store
+	$(SCD) calibrate --pair strong --method spectrum --out artifacts/store
+	$(SCD) calibrate --pair strong --method ridge --out artifacts/store
 
 eval: install assets
-	$(SCD) eval --pair strong --methods oracle,raw,quant,droidspeak,scd-reuse,scd --n 48 --json results/eval_all_strong_on.json
+	$(SCD) eval --pair strong --methods oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd --n 48 --json results/eval_all_strong_on.json

@@ -179,8 +179,9 @@ def serve_consumer(
         else:
             typer.echo(f"note: no SCD artifacts for consumer {name or 'strong'!r} in {store_dir} "
                        "(run `scd calibrate`): scd is not served", err=True)
-        if (store_dir / f"{name or 'strong'}.droidspeak.json").exists():
-            methods.append("droidspeak")
+        for kind in ("spectrum", "droidspeak", "ridge"):  # baselines whose profile the store holds
+            if (store_dir / f"{name or 'strong'}.{kind}.json").exists():
+                methods.append(kind)
         extra["methods"] = methods
     elif store:
         extra["artifact_store"] = store
@@ -297,8 +298,8 @@ def bench(
     quick: bool = typer.Option(False, help="1 Gbit/s, one ~1,000-token prompt, methods oracle,raw,scd, 3 repeats."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full results here."),
     png_out: Optional[Path] = typer.Option(None, "--png", help="TTFT vs link rate plot (default: beside --json)."),
-    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: oracle,raw,quant,droidspeak,"
-                                                     "scd-reuse,scd)."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: oracle,raw,quant,spectrum,"
+                                                     "droidspeak,ridge,scd-reuse,scd)."),
     bandwidths: Optional[str] = typer.Option(None, help="Link rates in Mbit/s, comma-separated (default 100,1000,10000)."),
     tokens: Optional[str] = typer.Option(None, help="Prompt lengths in tokens (default 500,1000,2000)."),
     repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; --quick 3)."),

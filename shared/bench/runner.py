@@ -42,7 +42,7 @@ TARGET_GOODPUT_SHARE = 0.8
 
 @dataclass
 class BenchConfig:
-    methods: tuple[str, ...] = ("oracle", "raw", "quant", "droidspeak", "scd-reuse", "scd")
+    methods: tuple[str, ...] = ("oracle", "raw", "quant", "spectrum", "droidspeak", "ridge", "scd-reuse", "scd")
     bandwidths_mbit: tuple[float, ...] = (100.0, 1000.0, 10000.0)
     tokens: tuple[int, ...] = (500, 1000, 2000)
     repeats: int = 5

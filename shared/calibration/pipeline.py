@@ -47,8 +47,10 @@ class CalibrationSettings(BaseModel):
     """Patch budget: at most this many PATCH layers."""
     pool: int = Field(8, ge=1)
     """Candidate pool size kept after restore-one."""
-    n_val: int = Field(12, ge=1)
+    n_val: int = Field(24, ge=1)
     """Validation prompts for selection and ablations."""
+    val_tokens: int = Field(32, ge=1)
+    """Teacher-forced tokens per validation prompt (the Oracle's greedy continuation)."""
     aligner_hidden: int = Field(256, ge=1)
     aligner_steps: int = Field(300, ge=1)
     aligner_rows: int = Field(4096, ge=64)
@@ -102,7 +104,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                         for l in range(L)]
     t = _stage(report, "reuse_fit", t)
 
-    vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], progress=progress)
+    vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], n_new=cfg.val_tokens, progress=progress)
     t = _stage(report, "validation_prep", t)
 
     bits = cfg.code_bits
