@@ -438,9 +438,11 @@ def test_http_front_surfaces_resource_exhausted_as_429(svc):
 def test_mutated_valid_frames_never_crash_the_consumer_nor_yield_a_silent_cache(svc, data):
     frames = _frames(svc, "same", max_new=3)
     want = _fuzz_reference(svc)
-    i = data.draw(st.integers(1, len(frames) - 1))  # a chunk or the trailer
+    # draws do not depend on the frames' sizes (which vary with timings carried in the trailer), so
+    # hypothesis sees the same strategies on every replay
+    i = 1 + data.draw(st.integers(0, 2**20)) % (len(frames) - 1)  # a chunk or the trailer
     raw = bytearray(frames[i].SerializeToString())
-    j = data.draw(st.integers(0, len(raw) - 1))
+    j = data.draw(st.integers(0, 2**24)) % len(raw)
     raw[j] ^= data.draw(st.integers(1, 255))
     try:
         frames[i] = pb.KVFrame.FromString(bytes(raw))
