@@ -402,26 +402,28 @@ def calibrate(
         raise typer.Exit(2) from None
     producer, consumer, tok = _pair_models(pair, device, dtype)
     val = [(it.prompt_ids, it.prefix_len) for it in data.load("qa", "validation")]
-    if method == "droidspeak":
+
+    def save_profile(prof: dict, tensors=None) -> Path:
+        """A baseline's profile into the store, pinned to both models."""
         from shared.artifacts import store
-        from shared.calibration.droidspeak import profile
         from shared.model.fingerprint import weights_fingerprint
 
+        return store.save_profile(out, pair, method, prof, weights_fingerprint(producer.model),
+                                  weights_fingerprint(consumer.model), tensors=tensors)
+
+    if method == "droidspeak":
+        from shared.calibration.droidspeak import profile
+
         prof = profile(producer, consumer, val, **overrides)
-        path = store.save_profile(out, pair, "droidspeak", prof, weights_fingerprint(producer.model),
-                                  weights_fingerprint(consumer.model))
-        typer.echo(f"droidspeak blocks {prof['blocks']} written to {path}")
+        typer.echo(f"droidspeak blocks {prof['blocks']} written to {save_profile(prof)}")
         typer.echo(json.dumps(prof["report"]))
         return
     if method == "spectrum":
-        from shared.artifacts import store
         from shared.calibration.spectrum import probe
-        from shared.model.fingerprint import weights_fingerprint
 
         prof = probe(producer, consumer, val, **overrides)
-        path = store.save_profile(out, pair, "spectrum", prof, weights_fingerprint(producer.model),
-                                  weights_fingerprint(consumer.model))
-        typer.echo(f"spectrum int4 {'allowed' if prof['int4'] else 'disabled (two-tier fp16 + int8)'}; written to {path}")
+        typer.echo(f"spectrum int4 {'allowed' if prof['int4'] else 'disabled (two-tier fp16 + int8)'}; written to "
+                   f"{save_profile(prof)}")
         typer.echo(json.dumps(prof["report"]))
         return
     if method not in ("scd", "ridge"):
@@ -432,14 +434,11 @@ def calibrate(
         qa, lm = data.load("qa", "calibration"), data.load("lm", "calibration")
         cal = [x.prompt_ids for pair_ in zip(qa, lm) for x in pair_] + [x.prompt_ids for x in qa[len(lm):]]
     if method == "ridge":
-        from shared.artifacts import store
         from shared.calibration.ridge import calibrate as fit_ridge
-        from shared.model.fingerprint import weights_fingerprint
 
         n_prompts = int(overrides.pop("n_prompts", 64))
         tensors, prof = fit_ridge(producer, consumer, cal[:n_prompts], val, **overrides)
-        path = store.save_profile(out, pair, "ridge", prof, weights_fingerprint(producer.model),
-                                  weights_fingerprint(consumer.model), tensors=tensors)
+        path = save_profile(prof, tensors)
         r = prof["report"]
         typer.echo(f"ridge maps (top_k={prof['top_k']}, alpha={prof['alpha']}) written to {path}; validation KL "
                    f"{r['kl']:.4f} vs raw {r['raw_kl']:.4f}")

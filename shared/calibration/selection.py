@@ -80,19 +80,23 @@ def patch_kv(vp: ValPrompt, layer: int, wh: torch.Tensor, mu_h: torch.Tensor, al
     return model.regenerate_kv(layer, h.unsqueeze(0))
 
 
+def logprobs(vp: ValPrompt, kv: Callable[[int], tuple], model: ModelAdapter) -> torch.Tensor:
+    """Teacher-forced log-probs [N, V] of ``vp.target`` from a cache whose positions [start, n) at
+    each layer are ``kv(layer)`` (pre-RoPE K, V) after the consumer's own prefix."""
+    ks, vs = [], []
+    for layer in range(model.n_layers):
+        k, v = kv(layer)
+        pk, pv = vp.prefix_kv[layer]
+        ks.append(torch.cat([pk, k.to(pk.dtype)], 2))
+        vs.append(torch.cat([pv, v.to(pv.dtype)], 2))
+    return model.score(model.build_cache(ks, vs), vp.ids[-1], vp.target)[: len(vp.target)]
+
+
 def quality(vps: list[ValPrompt], kv: Callable[[int, int], tuple], model: ModelAdapter) -> float:
     """Mean teacher-forced KL(oracle ‖ config) over ``vps``; ``kv(i, layer)`` gives the config's
     pre-RoPE K/V of prompt i at layer for positions [start, n)."""
-    kls = []
-    for i, vp in enumerate(vps):
-        ks, vs = [], []
-        for layer in range(model.n_layers):
-            k, v = kv(i, layer)
-            pk, pv = vp.prefix_kv[layer]
-            ks.append(torch.cat([pk, k], 2))
-            vs.append(torch.cat([pv, v], 2))
-        lp = model.score(model.build_cache(ks, vs), vp.ids[-1], vp.target)[: len(vp.target)]
-        kls.append(float(kl_top1(vp.oracle_lp, lp)[0].mean()))
+    kls = [float(kl_top1(vp.oracle_lp, logprobs(vp, lambda l, i=i: kv(i, l), model))[0].mean())
+           for i, vp in enumerate(vps)]
     return sum(kls) / len(kls)
 
 

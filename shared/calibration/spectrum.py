@@ -9,22 +9,10 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from shared.calibration import selection as sel
 from shared.codecs import CodecContext, make_method
 from shared.eval.metrics import kl_top1
 from shared.model.hf_adapter import ModelAdapter
-
-
-def _lp(consumer: ModelAdapter, vp: sel.ValPrompt, kv) -> torch.Tensor:
-    ks, vs = [], []
-    for layer in range(consumer.n_layers):
-        k, v = kv(layer)
-        pk, pv = vp.prefix_kv[layer]
-        ks.append(torch.cat([pk, k.float()], 2))
-        vs.append(torch.cat([pv, v.float()], 2))
-    return consumer.score(consumer.build_cache(ks, vs), vp.ids[-1], vp.target)[: len(vp.target)]
 
 
 def probe(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple[list[int], int]],
@@ -35,15 +23,15 @@ def probe(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tupl
     pctx, cctx = CodecContext(producer), CodecContext(consumer)
     runs = []
     for vp in vps:
-        ref = _lp(consumer, vp, lambda l: (vp.state.keys[l][:, :, vp.start:].half(),
-                                           vp.state.values[l][:, :, vp.start:].half()))
+        ref = sel.logprobs(vp, lambda l: (vp.state.keys[l][:, :, vp.start:].half(),
+                                          vp.state.values[l][:, :, vp.start:].half()), consumer)
         row = {}
         for policy, int4 in (("three_tier", "on"), ("two_tier", "off")):
             params = {"budget": str(budget), "int4": int4}
             enc, dec = make_method("spectrum", pctx, params), make_method("spectrum", cctx, params)
             n = vp.state.n_tokens - vp.start
             layers = [dec.decode_tensors(l, enc.encode_layer(vp.state, l, vp.start), n) for l in range(producer.n_layers)]
-            lp = _lp(consumer, vp, lambda l: layers[l])
+            lp = sel.logprobs(vp, lambda l: layers[l], consumer)
             agree = float((lp.argmax(-1) == ref.argmax(-1)).float().mean())
             row[policy] = {"top1_vs_fp16": agree, "kl_vs_fp16": float(kl_top1(ref, lp)[0].mean()),
                            "kl_vs_oracle": float(kl_top1(vp.oracle_lp, lp)[0].mean())}
