@@ -414,7 +414,7 @@ def calibrate(
     if method == "droidspeak":
         from shared.calibration.droidspeak import profile
 
-        prof = profile(producer, consumer, val, **overrides)
+        prof = profile(producer, consumer, val, stop_ids=data.stop_ids(tok), **overrides)
         typer.echo(f"droidspeak blocks {prof['blocks']} written to {save_profile(prof)}")
         typer.echo(json.dumps(prof["report"]))
         return
@@ -437,14 +437,15 @@ def calibrate(
         from shared.calibration.ridge import calibrate as fit_ridge
 
         n_prompts = int(overrides.pop("n_prompts", 64))
-        tensors, prof = fit_ridge(producer, consumer, cal[:n_prompts], val, **overrides)
+        tensors, prof = fit_ridge(producer, consumer, cal[:n_prompts], val, stop_ids=data.stop_ids(tok), **overrides)
         path = save_profile(prof, tensors)
         r = prof["report"]
         typer.echo(f"ridge maps (top_k={prof['top_k']}, alpha={prof['alpha']}) written to {path}; validation KL "
                    f"{r['kl']:.4f} vs raw {r['raw_kl']:.4f}")
         typer.echo(json.dumps({k: v for k, v in r.items() if k != "r2_per_layer"}))
         return
-    folder, report = run(producer, consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]))
+    folder, report = run(producer, consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]),
+                         stop_ids=data.stop_ids(tok))
     v = report["validation"]
     typer.echo(f"artifacts written to {folder}")
     typer.echo(f"validation KL: raw {v['raw_kl']:.4f} | REUSE only {v['reuse_only_kl']:.4f} | "

@@ -30,6 +30,9 @@ class ArtifactMeta(BaseModel):
     code_bits: Literal[8, 16]
     center: bool
     patch_layers: list[int]
+    patch_blocks: list[tuple[int, int]] = []
+    """PATCH blocks [a, b) (end exclusive): the producer sends its residual-stream state at layer a
+    (int8 per token), the consumer runs its own layers a..b-1 over the prompt and keeps their K/V."""
     aligner_hidden: int
     calibration: dict[str, Any] = {}
     """Data hash, prompt and token counts, settings."""

@@ -96,7 +96,7 @@ def load(folder: str | Path, side: str, producer_fingerprint: str | None = None,
 def describe(folder: str | Path) -> dict:
     meta = load_meta(folder)
     sizes = {n: (Path(folder) / n).stat().st_size for n in meta.files}
-    return {"pair": meta.pair, "patch_layers": meta.patch_layers, "r_k": meta.r_k, "r_v": meta.r_v,
+    return {"pair": meta.pair, "patch_layers": meta.patch_layers, "patch_blocks": meta.patch_blocks, "r_k": meta.r_k, "r_v": meta.r_v,
             "r_h": meta.r_h, "bytes": sizes, "report_keys": sorted(meta.report), "json": json.dumps(meta.calibration)}
 
 

@@ -13,12 +13,13 @@ from shared.model.hf_adapter import ModelAdapter
 
 
 def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple[list[int], int]],
-            budget_layers: int = 8, block_len: int = 4, n_val: int = 12, progress: bool = True) -> dict:
+            budget_layers: int = 8, block_len: int = 4, n_val: int = 12, progress: bool = True,
+            stop_ids=()) -> dict:
     t0 = time.perf_counter()
     L = producer.n_layers
     vps = []
     for ids, start in val_prompts[:n_val]:
-        vp = sel.prepare_val(producer, consumer, [(ids, start)], progress=False)[0]
+        vp = sel.prepare_val(producer, consumer, [(ids, start)], progress=False, stop_ids=stop_ids)[0]
         res = producer.prefill(ids[:-1], residual_layers=range(L)).residual
         vps.append((vp, res))
     cands = [(a, min(a + block_len, L)) for a in range(0, L - 1)]

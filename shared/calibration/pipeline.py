@@ -8,7 +8,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +21,7 @@ from shared.calibration.linalg import fit_reuse, pca
 from shared.calibration.traces import collect
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class CalibrationSettings(BaseModel):
     aligner_hidden: int = Field(256, ge=1)
     aligner_steps: int = Field(300, ge=1)
     aligner_rows: int = Field(4096, ge=64)
+    block_layers: int = Field(10, ge=0)
+    """PATCH block length: the consumer may recompute this many consecutive layers from the
+    producer's residual-stream state at the block's entry (0: no block, the paper's SCD)."""
     patch_compute_cost: float = Field(0.25, ge=0)
     """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
     ablations: bool = True
@@ -70,11 +74,14 @@ def _stage(report: dict, name: str, t0: float) -> float:
 
 def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
               val_prompts: list[tuple[list[int], int]], cfg: CalibrationSettings, out: str,
-              data_hash: str = "", progress: bool = True) -> tuple[str, dict]:
+              data_hash: str = "", progress: bool = True, stop_ids: Sequence[int] = ()) -> tuple[str, dict]:
     """Fit and write the pair's artifacts into store ``out``; returns (folder, report)."""
     torch.manual_seed(cfg.seed)
     L, m = producer.n_layers, producer.kv_dim
     ranks = (("r_kv", cfg.r_kv, 2 * m),) if cfg.reuse_code == "joint" else (("r_k", cfg.r_k, m), ("r_v", cfg.r_v, m))
+    if cfg.block_layers >= L:
+        raise ValueError(f"block_layers={cfg.block_layers} would recompute all {L} layers (that is the Oracle); "
+                         f"choose block_layers < {L}, or 0 for no PATCH block")
     for name, r, width in (*ranks, ("r_h", cfg.r_h, producer.hidden_size)):
         if r > width:
             raise ValueError(f"{name}={r} is larger than the {width} numbers it codes; choose {name} <= {width}")
@@ -104,7 +111,8 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                         for l in range(L)]
     t = _stage(report, "reuse_fit", t)
 
-    vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], n_new=cfg.val_tokens, progress=progress)
+    vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], n_new=cfg.val_tokens, progress=progress,
+                          stop_ids=stop_ids)
     t = _stage(report, "validation_prep", t)
 
     bits = cfg.code_bits
@@ -135,8 +143,23 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
             patch_cache[key] = sel.patch_kv(vps[i], l, wh, mu_h, fn, bits, consumer)
         return patch_cache[key]
 
-    def kl_with(patches: dict[int, object], maps=None) -> float:
-        return sel.quality(vps, lambda i, l: patch(i, l, patches[l]) if l in patches else reuse(i, l, maps), consumer)
+    block_cache: dict = {}
+
+    def block(i, blk):
+        if (i, blk) not in block_cache:
+            block_cache[(i, blk)] = sel.block_kv(vps[i], blk, bits, consumer)
+        return block_cache[(i, blk)]
+
+    chosen_block: tuple[int, int] | None = None
+
+    def kl_with(patches: dict[int, object], maps=None, blk=None) -> float:
+        blk = blk or chosen_block
+
+        def kv(i, l):
+            if blk and blk[0] <= l < blk[1]:
+                return block(i, blk)[l]
+            return patch(i, l, patches[l]) if l in patches else reuse(i, l, maps)
+        return sel.quality(vps, kv, consumer)
 
     raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:],
                                             vps[i].state.values[l][:, :, vps[i].start:]), consumer)
@@ -144,8 +167,22 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl,
                             "reuse_only_kl_separate": base_kl if cfg.reuse_code == "separate" else kl_with({}, sep),
                             "reuse_only_kl_joint": base_kl if cfg.reuse_code == "joint" else kl_with({}, joint)}
-    lin = {l: linear_aligner(l) for l in range(L)}
-    sens = sel.restore_one(list(range(L)), base_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
+    if cfg.block_layers:  # where a PATCH block of the budgeted length earns most: slide it over the depth
+        n = min(cfg.block_layers, L)
+        scan = []
+        for a0 in tqdm(range(L - n + 1), desc="patch block", disable=not progress):
+            scan.append({"block": [a0, a0 + n], "kl": kl_with({}, blk=(a0, a0 + n))})
+            block_cache.clear()
+        best = min(scan, key=lambda x: x["kl"])
+        report["block_scan"] = scan
+        if best["kl"] < base_kl:
+            chosen_block = tuple(best["block"])
+        t = _stage(report, "patch_block", t)
+    report["validation"]["block_kl"] = kl_with({}) if chosen_block else None
+    cur_kl = report["validation"]["block_kl"] or base_kl
+    free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]
+    lin = {l: linear_aligner(l) for l in free}
+    sens = sel.restore_one(free, cur_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
     report["sensitivity"] = [{"layer": l, "gain": g} for l, g in sens.items()]
     pool = [l for l, g in sorted(sens.items(), key=lambda kv: -kv[1]) if g > 0][: cfg.pool]
     t = _stage(report, "restore_one", t)
@@ -164,13 +201,13 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     patch_bytes = cfg.r_h + 2 if bits == 8 else 2 * cfg.r_h
     cost = lambda l: patch_bytes / reuse_bytes + cfg.patch_compute_cost  # noqa: E731
     steps = max(cfg.budget_k, 8 if cfg.ablations else 0)
-    path = sel.greedy(pool, steps, base_kl, lambda s: kl_with({l: aligners[l] for l in s}), cost, progress)
+    path = sel.greedy(pool, steps, cur_kl, lambda s: kl_with({l: aligners[l] for l in s}), cost, progress)
     report["greedy_path"] = path
     chosen = [p["layer"] for p in path[: cfg.budget_k]]
     t = _stage(report, "greedy", t)
 
     if cfg.ablations:
-        kl_at = [base_kl] + [p["kl"] for p in path]
+        kl_at = [cur_kl] + [p["kl"] for p in path]
         report["ablation_patch_budget"] = [{"k": k, "kl": kl_at[min(k, len(path))]} for k in (0, 1, 2, 4, 6, 8)]
         patches = {l: aligners[l] for l in chosen}
         sweep = []
@@ -198,7 +235,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         for k, v in aligners[l].state_dict().items():
             cons_t[f"align.{l}.{k}"] = v.half()
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
-    report["selected_kl"] = path[len(chosen) - 1]["kl"] if chosen else base_kl
+    report["selected_kl"] = path[len(chosen) - 1]["kl"] if chosen else cur_kl
     import transformers
 
     meta = ArtifactMeta(
@@ -206,7 +243,8 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         consumer_fingerprint=weights_fingerprint(consumer.model), n_layers=L, n_kv_heads=producer.n_kv_heads,
         head_dim=producer.head_dim, hidden_size=producer.hidden_size, r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h,
         reuse_code=cfg.reuse_code, r_kv=cfg.r_kv if cfg.reuse_code == "joint" else 0,
-        code_bits=cfg.code_bits, center=cfg.center, patch_layers=sorted(chosen), aligner_hidden=cfg.aligner_hidden,
+        code_bits=cfg.code_bits, center=cfg.center, patch_layers=sorted(chosen),
+        patch_blocks=[chosen_block] if chosen_block else [], aligner_hidden=cfg.aligner_hidden,
         calibration={"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                      "settings": cfg.model_dump()},
         versions={"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},

@@ -108,13 +108,13 @@ def apply(tensors: dict[str, torch.Tensor], keys, values, layer: int, start: int
 
 
 def calibrate(producer, consumer, prompts: list[list[int]], val_prompts: list[tuple[list[int], int]],
-              top_ks=(1, 2, 3), alphas=(1e-3, 1e-2, 1e-1), n_val: int = 8, progress: bool = True):
+              top_ks=(1, 2, 3), alphas=(1e-3, 1e-2, 1e-1), n_val: int = 8, progress: bool = True, stop_ids=()):
     """(tensors, payload) for the pair: the best (top_k, alpha) on validation KL, with the grid."""
     t0 = time.perf_counter()
     L, D = producer.n_layers, producer.head_dim
     moms = collect(producer, consumer, prompts, progress)
     t_traces = time.perf_counter() - t0
-    vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=progress)
+    vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=progress, stop_ids=stop_ids)
     raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:].half().float(),
                                             vps[i].state.values[l][:, :, vps[i].start:].half().float()), consumer)
     grid, best, rankings = [], None, {}

@@ -4,7 +4,7 @@ layer selection: restore-one sensitivity, then a greedy budgeted search (gain pe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -41,15 +41,18 @@ class ValPrompt:
 
 
 def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tuple[list[int], int]],
-                n_new: int = 16, progress: bool = True) -> list[ValPrompt]:
+                n_new: int = 16, progress: bool = True, stop_ids: Sequence[int] = ()) -> list[ValPrompt]:
+    """Held-out prompts scored like ``scd eval`` scores the test split: the Oracle's greedy
+    continuation of up to ``n_new`` tokens, ending at a stop id (the answer), is the teacher-forced
+    target."""
     out = []
     layers = list(range(producer.n_layers))
     for ids, start in tqdm(prompts, desc="validation set", disable=not progress):
         ctx = ids[:-1]
-        sp = producer.prefill(ctx, hidden_layers=layers)
+        sp = producer.prefill(ctx, hidden_layers=layers, residual_layers=layers)
         sc = consumer.prefill(ctx)
         cache = consumer.build_cache(sc.keys, sc.values)
-        target = consumer.greedy(clone_cache(cache, consumer.config), ids[-1], n_new)
+        target = consumer.greedy(clone_cache(cache, consumer.config), ids[-1], n_new, stop_ids)
         lp = consumer.score(cache, ids[-1], target)[: len(target)]
         out.append(ValPrompt(ids, start, sp, [(k[:, :, :start], v[:, :, :start]) for k, v in zip(sc.keys, sc.values)],
                              target, lp))
@@ -78,6 +81,14 @@ def patch_kv(vp: ValPrompt, layer: int, wh: torch.Tensor, mu_h: torch.Tensor, al
     with torch.inference_mode():
         h = aligner(u)
     return model.regenerate_kv(layer, h.unsqueeze(0))
+
+
+def block_kv(vp: ValPrompt, block: tuple[int, int], bits: int, model: ModelAdapter) -> dict[int, tuple]:
+    """A PATCH block through the wire: the producer's residual state at the entry (whole prompt,
+    coded), the consumer's own layers a..b-1 over it; {layer: (K, V)} for positions [start, n)."""
+    a, b = block
+    _, ks, vs = model.run_layers(roundtrip(vp.state.residual[a][0].float(), bits).unsqueeze(0), a, b)
+    return {a + j: (ks[j][:, :, vp.start:], vs[j][:, :, vp.start:]) for j in range(b - a)}
 
 
 def logprobs(vp: ValPrompt, kv: Callable[[int], tuple], model: ModelAdapter) -> torch.Tensor:

@@ -7,7 +7,10 @@ instead of 384), as the artifacts say. PATCH, at the few transition layers chose
 sends a PCA code ``u = (h_p - mu_h) W_H`` of its normalized pre-attention input, the consumer maps
 it with its MLP aligner to its own pre-attention space and regenerates K and V with its own
 ``k_proj``/``v_proj``. Codes travel as int8 with a per-token fp16 scale (or fp16), per the
-artifacts. The reference lookup (``_reuse``) and the patch (``_patch``) are separate hooks, so the
+artifacts. PATCH blocks (when calibration chose one): at a block's entry layer the producer sends its
+residual-stream state of the whole prompt (int8 per token), and the consumer runs its own decoder
+layers over the block, so the block's K/V are native and drift accumulated before it is reset.
+The reference lookup (``_reuse``) and the patch (``_patch``) are separate hooks, so the
 projector can be swapped.
 """
 
@@ -41,8 +44,26 @@ class PairArtifacts:
 
 
 class SCDSession(DecodeSession):
+    def __init__(self, method, job):
+        super().__init__(method, job)
+        self._block_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def decode_layer(self, layer, tensors):
-        return self.method.decode_tensors(layer, tensors)
+        if layer in self._block_kv:
+            return self._block_kv.pop(layer)
+        block = self.method.block_at(layer)
+        if block is None:
+            return self.method.decode_tensors(layer, tensors)
+        a, b = block  # a PATCH block's entry: run the consumer's own layers a..b-1
+        n = self.job.n_tokens
+        r = self.method._uncode(tensors, "r", self.model.hidden_size)
+        if r.shape[0] != n:
+            raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has {r.shape[0]} positions; expected {n}")
+        _, ks, vs = self.model.run_layers(r.unsqueeze(0), a, b)
+        s = self.job.start
+        for i, layer_i in enumerate(range(a, b)):
+            self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
+        return self._block_kv.pop(layer)
 
 
 class SCD(TransferMethod):
@@ -56,6 +77,9 @@ class SCD(TransferMethod):
         patch_layers: str = "auto"
         """``auto``: the layers calibration selected; ``none``: REUSE only; or a comma-separated
         subset of the calibrated patch layers."""
+        patch_blocks: Literal["auto", "none"] = "auto"
+        """``auto``: the PATCH blocks calibration selected (the consumer recomputes them); ``none``:
+        REUSE codes on those layers instead."""
 
     Session = SCDSession
 
@@ -66,6 +90,9 @@ class SCD(TransferMethod):
             raise ConfigError(f"method {self.kind!r} needs the pair's calibration artifacts; set artifact_store")
         self.art, self.meta = art, art.meta
         self.patch = self._patch_set(getattr(cfg, "patch_layers", "none"))
+        use_blocks = getattr(cfg, "patch_blocks", "none") == "auto"
+        self.blocks = [tuple(b) for b in self.meta.patch_blocks] if use_blocks else []
+        self.patch -= {l for a, b in self.blocks for l in range(a, b)}
         self._aligners: dict[int, Aligner] = {}
 
     def _patch_set(self, spec: str) -> frozenset[int]:
@@ -85,6 +112,12 @@ class SCD(TransferMethod):
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.patch))
 
+    def residual_layers(self) -> tuple[int, ...]:
+        return tuple(a for a, _ in self.blocks)
+
+    def block_at(self, layer: int) -> tuple[int, int] | None:
+        return next(((a, b) for a, b in self.blocks if a <= layer < b), None)
+
     # ------------------------------------------------------------------ producer
     def _code(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         if self.meta.code_bits == 16:
@@ -95,6 +128,10 @@ class SCD(TransferMethod):
     def encode_layer(self, state, layer, start):
         dev = state.keys[layer].device
         a = self.art
+        block = self.block_at(layer)
+        if block is not None:  # the whole prompt's state at the entry: the recompute attends to every position
+            return self._code(state.residual[layer][0].float(), "r") if layer == block[0] else \
+                {"skip": torch.zeros(0, dtype=torch.uint8)}
         if layer in self.patch:
             h = state.hidden[layer][0, start:].float()
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)

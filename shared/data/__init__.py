@@ -61,6 +61,11 @@ def template_prefix_ids(tok) -> list[int]:
     return tok(template_parts(tok)[0], add_special_tokens=False)["input_ids"]
 
 
+def stop_ids(tok) -> list[int]:
+    """Token ids that end an assistant turn: EOS and, for chat templates that have it, ``<|im_end|>``."""
+    return [tok.eos_token_id] + ([tok.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tok.get_vocab() else [])
+
+
 def chat_prompt_ids(tok, message: str) -> tuple[list[int], int]:
     """Token ids of a chat prompt and the length of its fixed prefix. The prefix is tokenized on
     its own, so every prompt starts with exactly the same prefix tokens."""

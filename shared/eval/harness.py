@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from shared.data import Item
+from shared.data import Item, stop_ids
 from shared.eval.metrics import kl_top1, rel_err, token_f1
 from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache
 
@@ -107,7 +107,7 @@ def evaluate(
     progress: bool = True,
 ) -> dict:
     """Run every method on every item; returns {"methods": {name: metrics}, "layers": {...}}."""
-    stop = [tok.eos_token_id] + ([tok.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tok.get_vocab() else [])
+    stop = stop_ids(tok)
     accs = {name: Acc() for name in methods}
     k_err = [0.0] * consumer.n_layers
     v_err = [0.0] * consumer.n_layers

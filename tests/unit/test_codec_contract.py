@@ -243,7 +243,8 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
     g = torch.Generator().manual_seed(15)
     prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
     val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
-    cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False)
+    cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False,
+                              block_layers=0)
     folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
@@ -262,3 +263,39 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
     assert err(cache) < err(raw)
     with pytest.raises(ValueError, match="r_kv=999"):
         calibrate(producer, consumer, prompts, val, cfg.model_copy(update={"r_kv": 999}), str(tmp_path), "x", progress=False)
+
+
+def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair, tmp_path):
+    """A PATCH block: calibration slides it over the depth and keeps the best; the producer sends the
+    entry residual state once (int8), the consumer's own layers give the block's K/V."""
+    from shared.calibration.pipeline import CalibrationSettings, calibrate
+
+    producer, consumer = tiny_pair
+    g = torch.Generator().manual_seed(16)
+    prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
+    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
+    cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False,
+                              block_layers=2)
+    folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
+    assert [s["block"] for s in report["block_scan"]] == [[0, 2], [1, 3], [2, 4]]
+    meta, pt = store.load(folder, "producer")
+    _, ct = store.load(folder, "consumer")
+    (a, b), = meta.patch_blocks
+    assert report["validation"]["block_kl"] < report["validation"]["reuse_only_kl"]
+    assert min(s["kl"] for s in report["block_scan"]) == report["validation"]["block_kl"]
+    pctx, cctx = CodecContext(producer, PairArtifacts(meta, pt, "producer")), CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
+    cache, nbytes, enc = _transfer("scd", pctx, cctx)
+    assert set(enc[a]) == {"r", "r_scale"} and enc[a]["r"].shape == (len(IDS) - 1, producer.hidden_size)
+    assert all(set(enc[l]) == {"skip"} for l in range(a + 1, b))
+    reuse, reuse_bytes, _ = _transfer("scd", pctx, cctx, params={"patch_blocks": "none"})
+    assert reuse_bytes != nbytes
+    # inside the block the K/V are the consumer's own layers run on the producer's (int8) entry state
+    res = producer.prefill(IDS[:-1], residual_layers=[a]).residual[a]
+    from shared.codecs.quant import dequantize_rows, quantize_rows
+    _, ks, vs = consumer.run_layers(dequantize_rows(*quantize_rows(res[0].float(), 8)).unsqueeze(0), a, b)
+    for j, layer in enumerate(range(a, b)):
+        assert torch.allclose(cache.layers[layer].values, vs[j], atol=1e-5)
+        assert not torch.allclose(reuse.layers[layer].values, vs[j], atol=1e-3)
+    with pytest.raises(ValueError, match="block_layers=4"):
+        calibrate(producer, consumer, prompts, val, cfg.model_copy(update={"block_layers": 4}), str(tmp_path), "x",
+                  progress=False)
