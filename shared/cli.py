@@ -525,7 +525,7 @@ def eval_(
 
         ds = pctx.profiles.get("droidspeak", {}).get("blocks")
         pl = pctx.artifacts.meta.patch_layers if pctx.artifacts else None
-        pts = sw.points(names, ds, pl)
+        pts = sw.points(names, ds, pl, pctx.artifacts.meta.patch_blocks if pctx.artifacts else None)
         runners = {lab: oracle if kind == "oracle" else codec_method(kind, pctx, cctx, prm) for lab, kind, prm in pts}
     else:
         runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}

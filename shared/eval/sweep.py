@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 
-def points(names: list[str], droidspeak_blocks: list[list[int]] | None, scd_patch_layers: list[int] | None
-           ) -> list[tuple[str, str, dict[str, str]]]:
+def points(names: list[str], droidspeak_blocks: list[list[int]] | None, scd_patch_layers: list[int] | None,
+           scd_patch_blocks: list | None = None) -> list[tuple[str, str, dict[str, str]]]:
     """(label, method kind, params) for every point of the sweep."""
     out: list[tuple[str, str, dict[str, str]]] = []
     for m in names:
@@ -30,6 +30,8 @@ def points(names: list[str], droidspeak_blocks: list[list[int]] | None, scd_patc
             for k in sorted({0, 1, 3, len(scd_patch_layers)}):
                 spec = ",".join(str(x) for x in scd_patch_layers[:k]) or "none"
                 out.append((f"scd[k={k}]", "scd", {"patch_layers": spec}))
+            if scd_patch_blocks:  # what the PATCH block earns: the same artifacts with REUSE there instead
+                out.append(("scd[no block]", "scd", {"patch_blocks": "none"}))
         elif m == "scd-reuse":
             out.append(("scd-reuse", "scd-reuse", {}))
     return out
