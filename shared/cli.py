@@ -103,6 +103,35 @@ def drift(
                       "raw_kl": res["methods"]["raw"]["kl"], "raw_agree_f1": res["methods"]["raw"]["agree_f1"]}))
 
 
+@app.command()
+def anatomy(
+    pair: str = typer.Option("strong", help="Consumer pair: strong | mild."),
+    n_cal: int = typer.Option(64, min=2, help="Calibration prompts for the ridge-map probes."),
+    n_val: int = typer.Option(24, min=1, help="Validation prompts scored."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+) -> None:
+    """Where the pair's drift lives (validation split): the consumer's own K/V on some layers,
+    full-rank per-token maps, and blocks of its own layers recomputed. Prints a table and JSON."""
+    from shared import data
+    from shared.eval.anatomy import run
+
+    t0 = time.perf_counter()
+    producer, consumer, tok = _pair_models(pair, device, dtype)
+    qa, lm = data.load("qa", "calibration"), data.load("lm", "calibration")
+    cal = [x.prompt_ids[:1024] for pair_ in zip(qa, lm) for x in pair_][:n_cal]
+    val = [(it.prompt_ids, it.prefix_len) for it in data.load("qa", "validation")][:n_val]
+    res = run(producer, consumer, cal, val, data.stop_ids(tok))
+    typer.echo(f"anatomy: pair={pair} native_prefix=on n={len(val)} (KL of the Oracle's answer, nats/token)")
+    for name, kl in res.items():
+        typer.echo(f"  {name:58s} {kl:.4f}")
+    body = {"pair": pair, "n": len(val), "n_cal": len(cal), "kl": res, "seconds": round(time.perf_counter() - t0, 1)}
+    if json_out:
+        json_out.write_text(json.dumps(body, indent=2) + "\n")
+    print(json.dumps(body))
+
+
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
 
