@@ -178,6 +178,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         if best["kl"] < base_kl:
             chosen_block = tuple(best["block"])
         t = _stage(report, "patch_block", t)
+    report["patch_block"] = list(chosen_block) if chosen_block else None
     report["validation"]["block_kl"] = kl_with({}) if chosen_block else None
     cur_kl = report["validation"]["block_kl"] or base_kl
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]

@@ -281,6 +281,7 @@ def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair,
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
     (a, b), = meta.patch_blocks
+    assert report["patch_block"] == [a, b]
     assert report["validation"]["block_kl"] < report["validation"]["reuse_only_kl"]
     assert min(s["kl"] for s in report["block_scan"]) == report["validation"]["block_kl"]
     pctx, cctx = CodecContext(producer, PairArtifacts(meta, pt, "producer")), CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
