@@ -1,5 +1,5 @@
-"""``scd calibrate``: traces -> REUSE maps -> PATCH projections and aligners -> layer selection ->
-ablations -> artifacts. Every stage is timed and reported; the artifact write is atomic, so an
+"""``scd calibrate``: traces -> REUSE maps -> PATCH block scan -> PATCH projections and aligners ->
+layer selection -> ablations -> artifacts. Every stage is timed and reported; the artifact write is atomic, so an
 interrupted run is simply restarted."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Literal, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
 
 from shared.artifacts import store
 from shared.artifacts.meta import ArtifactMeta
@@ -21,7 +22,6 @@ from shared.calibration.linalg import fit_reuse, pca
 from shared.calibration.traces import collect
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
-from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                             "reuse_only_kl_separate": base_kl if cfg.reuse_code == "separate" else kl_with({}, sep),
                             "reuse_only_kl_joint": base_kl if cfg.reuse_code == "joint" else kl_with({}, joint)}
     if cfg.block_layers:  # where a PATCH block of the budgeted length earns most: slide it over the depth
-        n = min(cfg.block_layers, L)
+        n = cfg.block_layers
         scan = []
         for a0 in tqdm(range(L - n + 1), desc="patch block", disable=not progress):
             scan.append({"block": [a0, a0 + n], "kl": kl_with({}, blk=(a0, a0 + n))})
@@ -180,7 +180,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         t = _stage(report, "patch_block", t)
     report["patch_block"] = list(chosen_block) if chosen_block else None
     report["validation"]["block_kl"] = kl_with({}) if chosen_block else None
-    cur_kl = report["validation"]["block_kl"] or base_kl
+    cur_kl = base_kl if chosen_block is None else report["validation"]["block_kl"]
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]
     lin = {l: linear_aligner(l) for l in free}
     sens = sel.restore_one(free, cur_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
