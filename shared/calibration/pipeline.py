@@ -167,6 +167,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl,
                             "reuse_only_kl_separate": base_kl if cfg.reuse_code == "separate" else kl_with({}, sep),
                             "reuse_only_kl_joint": base_kl if cfg.reuse_code == "joint" else kl_with({}, joint)}
+    cur_kl = base_kl
     if cfg.block_layers:  # where a PATCH block of the budgeted length earns most: slide it over the depth
         n = cfg.block_layers
         scan = []
@@ -176,11 +177,10 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         best = min(scan, key=lambda x: x["kl"])
         report["block_scan"] = scan
         if best["kl"] < base_kl:
-            chosen_block = tuple(best["block"])
+            chosen_block, cur_kl = tuple(best["block"]), best["kl"]
         t = _stage(report, "patch_block", t)
     report["patch_block"] = list(chosen_block) if chosen_block else None
-    report["validation"]["block_kl"] = kl_with({}) if chosen_block else None
-    cur_kl = base_kl if chosen_block is None else report["validation"]["block_kl"]
+    report["validation"]["block_kl"] = cur_kl if chosen_block else None
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]
     lin = {l: linear_aligner(l) for l in free}
     sens = sel.restore_one(free, cur_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)

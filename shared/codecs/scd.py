@@ -23,8 +23,9 @@ import torch
 
 from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.codecs.base import MethodConfig, TransferMethod
 from shared.codecs.quant import dequantize_rows, quantize_rows
+from shared.codecs.selective_recompute import BlockSession
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import from_rows, to_rows
 
@@ -43,27 +44,14 @@ class PairArtifacts:
 
 
 
-class SCDSession(DecodeSession):
-    def __init__(self, method, job):
-        super().__init__(method, job)
-        self._block_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
+class SCDSession(BlockSession):
     def decode_layer(self, layer, tensors):
         if layer in self._block_kv:
             return self._block_kv.pop(layer)
         block = self.method.block_at(layer)
         if block is None:
             return self.method.decode_tensors(layer, tensors)
-        a, b = block  # a PATCH block's entry: run the consumer's own layers a..b-1
-        n = self.job.n_tokens
-        r = self.method._uncode(tensors, "r", self.model.hidden_size)
-        if r.shape[0] != n:
-            raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has {r.shape[0]} positions; expected {n}")
-        _, ks, vs = self.model.run_layers(r.unsqueeze(0), a, b)
-        s = self.job.start
-        for i, layer_i in enumerate(range(a, b)):
-            self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
-        return self._block_kv.pop(layer)
+        return self.run_block(self.method._uncode(tensors, "r", self.model.hidden_size), block)
 
 
 class SCD(TransferMethod):

@@ -31,11 +31,30 @@ def parse_blocks(spec: str, n_layers: int) -> list[tuple[int, int]]:
     return blocks
 
 
-class DroidSpeakSession(DecodeSession):
+class BlockSession(DecodeSession):
+    """A session whose method recomputes contiguous blocks of layers: at a block's entry the
+    consumer runs its own decoder layers over the producer's residual-stream state and keeps their
+    K/V, which the following layers of the block then return. DroidSpeak and SCD's PATCH blocks."""
+
     def __init__(self, method, job):
         super().__init__(method, job)
         self._block_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def run_block(self, h: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute ``block`` [a, b) from the entry state ``h`` [n_tokens, d]; the K/V of layer a."""
+        a, b = block
+        want = (self.job.n_tokens, self.model.hidden_size)
+        if h.dim() != 2 or tuple(h.shape) != want:
+            raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has shape {tuple(h.shape)}; "
+                                 f"expected {want}")
+        _, ks, vs = self.model.run_layers(h.unsqueeze(0), a, b)
+        s = self.job.start
+        for i, layer_i in enumerate(range(a, b)):
+            self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
+        return self._block_kv.pop(a)
+
+
+class DroidSpeakSession(BlockSession):
     def decode_layer(self, layer, tensors):
         if layer in self._block_kv:
             return self._block_kv.pop(layer)
@@ -45,18 +64,9 @@ class DroidSpeakSession(DecodeSession):
                 return tensors["k"], tensors["v"]
             except KeyError as e:
                 raise InvalidPayload(f"droidspeak layer {layer} lacks tensor {e.args[0]!r}") from None
-        a, b = block
         if "h" not in tensors:
-            raise InvalidPayload(f"droidspeak block {a}-{b} entry lacks its hidden state 'h'")
-        h = tensors["h"]
-        if h.dim() != 2 or h.shape != (self.job.n_tokens, self.model.hidden_size):
-            raise InvalidPayload(f"droidspeak hidden state has shape {tuple(h.shape)}; expected "
-                                 f"({self.job.n_tokens}, {self.model.hidden_size})")
-        _, ks, vs = self.model.run_layers(h.unsqueeze(0), a, b)
-        s = self.job.start
-        for i, layer_i in enumerate(range(a, b)):
-            self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
-        return self._block_kv.pop(layer)
+            raise InvalidPayload(f"droidspeak block {block[0]}-{block[1]} entry lacks its hidden state 'h'")
+        return self.run_block(tensors["h"], block)
 
 
 class DroidSpeak(TransferMethod):

@@ -235,17 +235,27 @@ def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
     assert float((v - t.values[3]).norm() / t.values[3].norm()) < 0.02
 
 
-def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path):
-    """The joint [K | V] REUSE code (the default of `scd calibrate`): written, loaded, served."""
+def _calibrate_tiny_joint(tiny_pair, tmp_path, seed, **settings):
+    """The real pipeline on the tiny pair with the joint code and small settings: (prompts, val, cfg,
+    folder, report)."""
     from shared.calibration.pipeline import CalibrationSettings, calibrate
 
     producer, consumer = tiny_pair
-    g = torch.Generator().manual_seed(15)
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
     val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
     cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False,
-                              block_layers=0)
+                              **settings)
     folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
+    return prompts, val, cfg, folder, report
+
+
+def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path):
+    """The joint [K | V] REUSE code (the default of `scd calibrate`): written, loaded, served."""
+    from shared.calibration.pipeline import calibrate
+
+    producer, consumer = tiny_pair
+    prompts, val, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 15, block_layers=0)
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
     assert meta.reuse_code == "joint" and meta.r_kv == 40 and "enc.kv.0" in pt and "dec.kv.0" in ct
@@ -268,15 +278,10 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
 def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair, tmp_path):
     """A PATCH block: calibration slides it over the depth and keeps the best; the producer sends the
     entry residual state once (int8), the consumer's own layers give the block's K/V."""
-    from shared.calibration.pipeline import CalibrationSettings, calibrate
+    from shared.calibration.pipeline import calibrate
 
     producer, consumer = tiny_pair
-    g = torch.Generator().manual_seed(16)
-    prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
-    val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
-    cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False,
-                              block_layers=2)
-    folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
+    prompts, val, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 16, block_layers=2)
     assert [s["block"] for s in report["block_scan"]] == [[0, 2], [1, 3], [2, 4]]
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
