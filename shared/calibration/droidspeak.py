@@ -13,7 +13,7 @@ from shared.model.hf_adapter import ModelAdapter
 
 
 def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple[list[int], int]],
-            budget_layers: int = 8, block_len: int = 4, n_val: int = 12, progress: bool = True,
+            budget_layers: int = 12, block_len: int = 12, n_val: int = 24, progress: bool = True,
             stop_ids=()) -> dict:
     t0 = time.perf_counter()
     L = producer.n_layers

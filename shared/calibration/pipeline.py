@@ -55,7 +55,7 @@ class CalibrationSettings(BaseModel):
     aligner_hidden: int = Field(256, ge=1)
     aligner_steps: int = Field(300, ge=1)
     aligner_rows: int = Field(4096, ge=64)
-    block_layers: int = Field(10, ge=0)
+    block_layers: int = Field(12, ge=0)
     """PATCH block length: the consumer may recompute this many consecutive layers from the
     producer's residual-stream state at the block's entry (0: no block, the paper's SCD)."""
     patch_compute_cost: float = Field(0.25, ge=0)
@@ -218,6 +218,12 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                 sweep.append({"which": which, "rank": r, "kl": kl_with(patches, maps)})
                 reuse_cache.clear()
         report["ablation_ranks"] = sweep
+        if chosen_block:  # how long the block should be: lengths at the chosen entry, REUSE elsewhere, no patches
+            a = chosen_block[0]
+            lengths = sorted(n for n in {2, 4, 6, 8, 10, 12, 14, 16, cfg.block_layers} if a + n <= L and n < L)
+            report["ablation_block_length"] = [{"layers": n, "block": [a, a + n], "kl": kl_with({}, blk=(a, a + n))}
+                                               for n in tqdm(lengths, desc="block length", disable=not progress)]
+            block_cache.clear()
         report["ablation_joint_rank"] = []
         for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
             report["ablation_joint_rank"].append({"rank": r, "kl": kl_with(patches, fit_joint(r))})

@@ -244,8 +244,8 @@ def _calibrate_tiny_joint(tiny_pair, tmp_path, seed, **settings):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
     val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
-    cfg = CalibrationSettings(pair="tiny", n_prompts=16, r_kv=40, r_h=32, budget_k=0, n_val=3, ablations=False,
-                              **settings)
+    cfg = CalibrationSettings(**{"pair": "tiny", "n_prompts": 16, "r_kv": 40, "r_h": 32, "budget_k": 0, "n_val": 3,
+                                 "ablations": False, **settings})
     folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
     return prompts, val, cfg, folder, report
 
@@ -281,7 +281,8 @@ def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair,
     from shared.calibration.pipeline import calibrate
 
     producer, consumer = tiny_pair
-    prompts, val, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 16, block_layers=2)
+    prompts, val, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 16, block_layers=2,
+                                                                       ablations=True)
     assert [s["block"] for s in report["block_scan"]] == [[0, 2], [1, 3], [2, 4]]
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
@@ -289,6 +290,9 @@ def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair,
     assert report["patch_block"] == [a, b]
     assert report["validation"]["block_kl"] < report["validation"]["reuse_only_kl"]
     assert min(s["kl"] for s in report["block_scan"]) == report["validation"]["block_kl"]
+    lengths = {x["layers"]: x for x in report["ablation_block_length"]}
+    assert lengths[2]["block"] == [a, b] and lengths[2]["kl"] == pytest.approx(report["validation"]["block_kl"])
+    assert all(x["block"][1] <= producer.n_layers for x in lengths.values())
     pctx, cctx = CodecContext(producer, PairArtifacts(meta, pt, "producer")), CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
     cache, nbytes, enc = _transfer("scd", pctx, cctx)
     assert set(enc[a]) == {"r", "r_scale"} and enc[a]["r"].shape == (len(IDS) - 1, producer.hidden_size)
