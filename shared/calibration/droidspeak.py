@@ -17,11 +17,8 @@ def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tu
             stop_ids=()) -> dict:
     t0 = time.perf_counter()
     L = producer.n_layers
-    vps = []
-    for ids, start in val_prompts[:n_val]:
-        vp = sel.prepare_val(producer, consumer, [(ids, start)], progress=False, stop_ids=stop_ids)[0]
-        res = producer.prefill(ids[:-1], residual_layers=range(L)).residual
-        vps.append((vp, res))
+    vps = [(vp, vp.state.residual)  # the producer's prefill there already holds every layer's residual state
+           for vp in sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=False, stop_ids=stop_ids)]
     cands = [(a, min(a + block_len, L)) for a in range(0, L - 1)]
     recompute: dict = {}
 

@@ -152,6 +152,11 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
 
     chosen_block: tuple[int, int] | None = None
 
+    def forget_blocks():
+        """Drop the recomputed K/V of every block but the chosen one (which later stages reuse)."""
+        for key in [k for k in block_cache if k[1] != chosen_block]:
+            del block_cache[key]
+
     def kl_with(patches: dict[int, object], maps=None, blk=None) -> float:
         blk = blk or chosen_block
 
@@ -173,7 +178,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         scan = []
         for a0 in tqdm(range(L - n + 1), desc="patch block", disable=not progress):
             scan.append({"block": [a0, a0 + n], "kl": kl_with({}, blk=(a0, a0 + n))})
-            block_cache.clear()
+            forget_blocks()
         best = min(scan, key=lambda x: x["kl"])
         report["block_scan"] = scan
         if best["kl"] < base_kl:
@@ -221,9 +226,12 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         if chosen_block:  # how long the block should be: lengths at the chosen entry, REUSE elsewhere, no patches
             a = chosen_block[0]
             lengths = sorted(n for n in {2, 4, 6, 8, 10, 12, 14, 16, cfg.block_layers} if a + n <= L and n < L)
-            report["ablation_block_length"] = [{"layers": n, "block": [a, a + n], "kl": kl_with({}, blk=(a, a + n))}
-                                               for n in tqdm(lengths, desc="block length", disable=not progress)]
-            block_cache.clear()
+            report["ablation_block_length"] = []
+            for n in tqdm(lengths, desc="block length", disable=not progress):
+                blk = (a, a + n)  # the chosen length was scored by the scan
+                kl = report["validation"]["block_kl"] if blk == chosen_block else kl_with({}, blk=blk)
+                report["ablation_block_length"].append({"layers": n, "block": list(blk), "kl": kl})
+                forget_blocks()
         report["ablation_joint_rank"] = []
         for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
             report["ablation_joint_rank"].append({"rank": r, "kl": kl_with(patches, fit_joint(r))})

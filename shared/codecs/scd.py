@@ -25,7 +25,7 @@ from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
 from shared.codecs.base import MethodConfig, TransferMethod
 from shared.codecs.quant import dequantize_rows, quantize_rows
-from shared.codecs.selective_recompute import BlockSession
+from shared.codecs.selective_recompute import BlockSession, RecomputesBlocks
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import from_rows, to_rows
 
@@ -54,7 +54,7 @@ class SCDSession(BlockSession):
         return self.run_block(self.method._uncode(tensors, "r", self.model.hidden_size), block)
 
 
-class SCD(TransferMethod):
+class SCD(RecomputesBlocks, TransferMethod):
     kind: ClassVar[str] = "scd"
     compressive: ClassVar[bool] = True
     cross_model: ClassVar[bool] = True
@@ -99,12 +99,6 @@ class SCD(TransferMethod):
 
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.patch))
-
-    def residual_layers(self) -> tuple[int, ...]:
-        return tuple(a for a, _ in self.blocks)
-
-    def block_at(self, layer: int) -> tuple[int, int] | None:
-        return next(((a, b) for a, b in self.blocks if a <= layer < b), None)
 
     # ------------------------------------------------------------------ producer
     def _code(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:

@@ -31,6 +31,19 @@ def parse_blocks(spec: str, n_layers: int) -> list[tuple[int, int]]:
     return blocks
 
 
+class RecomputesBlocks:
+    """A method with contiguous recompute blocks ``self.blocks`` [(a, b), ...] (end exclusive):
+    which block a layer is in, and the entry layers whose residual state the producer must keep."""
+
+    blocks: list[tuple[int, int]]
+
+    def block_at(self, layer: int) -> tuple[int, int] | None:
+        return next(((a, b) for a, b in self.blocks if a <= layer < b), None)
+
+    def residual_layers(self) -> tuple[int, ...]:
+        return tuple(a for a, _ in self.blocks)
+
+
 class BlockSession(DecodeSession):
     """A session whose method recomputes contiguous blocks of layers: at a block's entry the
     consumer runs its own decoder layers over the producer's residual-stream state and keeps their
@@ -69,7 +82,7 @@ class DroidSpeakSession(BlockSession):
         return self.run_block(tensors["h"], block)
 
 
-class DroidSpeak(TransferMethod):
+class DroidSpeak(RecomputesBlocks, TransferMethod):
     kind: ClassVar[str] = "droidspeak"
     cross_model: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset({"profile"})
@@ -92,12 +105,6 @@ class DroidSpeak(TransferMethod):
             self.blocks = [tuple(b) for b in prof["blocks"]]
         else:
             self.blocks = parse_blocks(cfg.blocks, n)
-
-    def block_at(self, layer: int):
-        return next(((a, b) for a, b in self.blocks if a <= layer < b), None)
-
-    def residual_layers(self) -> tuple[int, ...]:
-        return tuple(a for a, _ in self.blocks)
 
     def encode_layer(self, state, layer, start):
         block = self.block_at(layer)
