@@ -18,6 +18,7 @@ from shared.generation import Generator, Sampling
 from shared.model.fingerprint import weights_fingerprint
 from shared.worker import TorchWorker
 from shared.model.hf_adapter import ModelAdapter
+from shared.model.prompt import PromptFormat
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import PROTOCOL_VERSION
 
@@ -53,11 +54,12 @@ class ConsumerEngine(TorchWorker):
             if "profile" in CODECS[m].requires:
                 self._load_profile(m)
         TorchWorker.__init__(self, f"consumer-{settings.name}")
-        self.stop_ids = frozenset(self._stop_ids())
+        self.format = PromptFormat(tokenizer) if tokenizer is not None else None
+        self.stop_ids = frozenset(self.format.stop_ids if self.format else ())
         self.prefix_ids: list[int] = []
         self.prefix_keys: tuple[torch.Tensor, ...] = ()
         self.prefix_values: tuple[torch.Tensor, ...] = ()
-        if tokenizer is not None:
+        if self.format is not None and self.format.prefix_ids:
             self._prepare_native_prefix()
 
     def _load_artifacts(self) -> None:
@@ -85,19 +87,9 @@ class ConsumerEngine(TorchWorker):
         self.ctx.profiles[kind] = store.load_profile(self.settings.artifact_store, self.settings.name, kind,
                                                      self.settings.producer_fingerprint, self.fingerprint)
 
-    def _stop_ids(self) -> list[int]:
-        if self.tokenizer is None:
-            return []
-        ids = [self.tokenizer.eos_token_id]
-        if "<|im_end|>" in self.tokenizer.get_vocab():
-            ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        return [i for i in ids if i is not None]
-
     def _prepare_native_prefix(self) -> None:
         """The consumer's own K/V for the fixed chat-template prefix, computed once."""
-        from shared.data import template_prefix_ids
-
-        self.prefix_ids = template_prefix_ids(self.tokenizer)
+        self.prefix_ids = list(self.format.prefix_ids)
         state = self.adapter.prefill(self.prefix_ids)
         self.prefix_keys, self.prefix_values = state.keys, state.values
 

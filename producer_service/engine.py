@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
 from shared.codecs import CODECS, CodecContext, check_enabled, TransferMethod, make_method
-from shared.errors import InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
+from shared.errors import ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
 from shared.model.fingerprint import weights_fingerprint
 from shared.worker import TorchWorker
 from shared.model.hf_adapter import ModelAdapter, PrefillState
+from shared.model.prompt import PromptFormat
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import PROTOCOL_VERSION
 
@@ -36,11 +37,25 @@ class ProducerEngine(TorchWorker):
         self.ctxs = {name: self._context(name, ep.artifacts) for name, ep in settings.consumers.items()}
         TorchWorker.__init__(self, "producer")
         self._prefills: OrderedDict[tuple, PrefillState] = OrderedDict()  # used on the worker thread only
-        self.prefix_ids: list[int] = []
-        if tokenizer is not None:
-            from shared.data import template_prefix_ids
+        self.format = PromptFormat(tokenizer) if tokenizer is not None else None
+        self.prefix_ids: list[int] = self.format.prefix_ids if self.format else []
+        self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
 
-            self.prefix_ids = template_prefix_ids(tokenizer)
+    def _format(self, tokenizer: str | None) -> PromptFormat | None:
+        """How text prompts for one consumer become ids: its pair's tokenizer and chat template (the
+        model that answers), else the producer's own."""
+        if tokenizer is None:
+            return self.format
+        from shared.model.loading import load_tokenizer
+
+        fmt = PromptFormat(load_tokenizer(tokenizer))
+        if fmt.tok.get_vocab() != (self.format.tok.get_vocab() if self.format else fmt.tok.get_vocab()):
+            raise ConfigError(f"the tokenizer in {tokenizer} has another vocabulary than the producer's: the "
+                              "consumer could not read the producer's token ids")
+        return fmt
+
+    def prompt_format(self, consumer: str) -> PromptFormat | None:
+        return self.formats.get(consumer, self.format)
 
     def _context(self, consumer: str, artifacts: str | None) -> CodecContext:
         """The codec context for one consumer: the pair's SCD artifacts and baseline profiles found in
@@ -83,11 +98,10 @@ class ProducerEngine(TorchWorker):
                 raise InvalidRequest("prompt text is empty; send a non-empty prompt")
             if len(req.text) > s.max_prompt_chars:
                 raise InvalidRequest(f"prompt has {len(req.text)} characters; the limit is {s.max_prompt_chars}")
-            if self.tokenizer is None:
+            fmt = self.prompt_format(req.consumer)
+            if fmt is None:
                 raise InvalidRequest("this producer has no tokenizer; send token_ids")
-            from shared.data import chat_prompt_ids
-
-            ids, _ = chat_prompt_ids(self.tokenizer, req.text)
+            ids, _ = fmt.encode(req.text)
         elif which == "token_ids":
             ids = list(req.token_ids.ids)
         else:
@@ -100,8 +114,10 @@ class ProducerEngine(TorchWorker):
         if max(ids) >= vocab:
             raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary (size {vocab})")
         prefix = 0
-        if req.native_prefix and self.prefix_ids and ids[: len(self.prefix_ids)] == self.prefix_ids:
-            prefix = len(self.prefix_ids)
+        fmt = self.prompt_format(req.consumer)
+        pre = fmt.prefix_ids if fmt else []
+        if req.native_prefix and pre and ids[: len(pre)] == pre:
+            prefix = len(pre)
         return Prepared(ids, prefix, method, s.consumers[req.consumer].address)
 
     def header(self, p: Prepared, req: pb.GenerateRequest, request_id: str, deadline: float, t0: float) -> pb.Header:

@@ -65,7 +65,7 @@ class ChatBody(_Body):
     messages: list[Message] = Field(..., min_length=1)
 
 
-def _prompt_ids(tok, body: CompletionBody, max_chars: int) -> list[int]:
+def _prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
     p = body.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
@@ -73,24 +73,23 @@ def _prompt_ids(tok, body: CompletionBody, max_chars: int) -> list[int]:
         raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
     if isinstance(p, list):
         return list(p)
-    if tok is None:
+    if fmt is None:
         raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids")
     if not p.strip():
         raise InvalidRequest("prompt is empty; send a non-empty prompt")
     if len(p) > max_chars:
         raise InvalidRequest(f"prompt has {len(p)} characters; the limit is {max_chars}")
-    return tok(p, add_special_tokens=False)["input_ids"]
+    return fmt.encode_text(p)[0]  # a completion prompt is plain text: the tokenizer's BOS, if any, then the text
 
 
-def _chat_ids(tok, body: ChatBody, max_chars: int) -> list[int]:
-    if tok is None:
+def _chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
+    if fmt is None:
         raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids")
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     n = sum(len(m["content"]) for m in msgs)
     if n > max_chars:
         raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}")
-    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
 
 
 def _request(body: _Body, ids: list[int]) -> pb.GenerateRequest:
@@ -106,7 +105,6 @@ def _request(body: _Body, ids: list[int]) -> pb.GenerateRequest:
 def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     eng = servicer.engine
     s = eng.settings
-    tok = eng.tokenizer
     app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
     add_metrics_routes(app, servicer.metrics)
 
@@ -213,7 +211,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
         try:
-            ids = _prompt_ids(tok, body, s.max_prompt_chars)
+            ids = _prompt_ids(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return error_response(*status_for(e))
         return await run(body, ids, False)
@@ -221,7 +219,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
         try:
-            ids = _chat_ids(tok, body, s.max_prompt_chars)
+            ids = _chat_ids(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return error_response(*status_for(e))
         return await run(body, ids, True)

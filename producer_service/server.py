@@ -12,10 +12,10 @@ from shared.rpc.server import GRPCServer
 
 
 def load_engine(settings: ProducerSettings) -> ProducerEngine:
-    from shared.assets.models import load_model, load_tokenizer
+    from shared.model.loading import load_model, load_tokenizer
 
     path = Path(settings.model.path).expanduser()
-    model = load_model(path, settings.model.device, settings.model.torch_dtype())
+    model = load_model(path, settings.model.device, settings.model.torch_dtype(), settings.model.adapter)
     return ProducerEngine(settings, model, load_tokenizer(path, required=False))
 
 

@@ -14,6 +14,9 @@ class ConsumerEndpoint(_Strict):
     """host:port of the consumer's gRPC server."""
     artifacts: str | None = None
     """This pair's calibration artifacts folder (e.g. artifacts/store/strong); needed for scd."""
+    tokenizer: str | None = None
+    """A folder whose tokenizer and chat template format text prompts for this consumer (its pair's:
+    the model that answers); default: the producer's own. Must share the producer's vocabulary."""
 
 
 class ProducerSettings(ServiceSettings):

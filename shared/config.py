@@ -18,7 +18,10 @@ class _Strict(BaseModel):
 
 class ModelSettings(_Strict):
     path: str
-    """A prepared Hugging Face folder (``from_pretrained``), e.g. $SCD_HOME/models/smollm2-135m-instruct."""
+    """A Hugging Face model folder with safetensors weights, e.g. $SCD_HOME/models/smollm2-135m-instruct."""
+    adapter: str | None = None
+    """A LoRA adapter folder (peft, safetensors) merged into ``path`` at load: a consumer given as base +
+    adapter."""
     device: str = "cpu"
     """``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"

@@ -50,16 +50,25 @@ def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
             p.wait()
 
 
-def run(pair: str = "strong", methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_tokens: int = 24,
-        item_index: int = 0) -> dict:
-    from shared.assets.models import load_tokenizer
+def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_tokens: int = 24,
+        item_index: int = 0, data_file=None) -> dict:
+    """``entry``: the registered pair (``shared.assets.registry.PairEntry``); the question is a test
+    prompt of the built-in QA data, or of ``data_file`` (JSONL), in the pair's own prompt format."""
+    from shared.model.loading import load_tokenizer
+    from shared.model.prompt import PromptFormat
 
-    tok = load_tokenizer()
-    item = data.load("qa", "test")[item_index]
+    pair = entry.name
+    fmt = PromptFormat(load_tokenizer(entry.tokenizer))
+    if data_file:
+        from shared.data import user
+
+        item = user.load(data_file, fmt, "test")[item_index]
+    else:
+        item = data.load("qa", "test", fmt=fmt)[item_index]
     cport, pport = free_port(), free_port()
     exe = [sys.executable, "-m", "shared.cli", "serve"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen(exe + ["consumer", "--name", pair, "--port", str(cport)], env=env)]
+    procs = [subprocess.Popen(exe + ["consumer", "--pair", pair, "--port", str(cport)], env=env)]
     results = {}
     try:
         procs.append(subprocess.Popen(exe + ["producer", "--port", str(pport), "--consumer",
@@ -67,8 +76,9 @@ def run(pair: str = "strong", methods: tuple[str, ...] = ("oracle", "raw", "scd"
                                              "--set", f"default_method={methods[-1]}"], env=env))
         for addr, p in ((f"127.0.0.1:{cport}", procs[0]), (f"127.0.0.1:{pport}", procs[1])):
             wait_healthy(addr, p)
-        print(f"\nQuestion ({len(item.prompt_ids)}-token prompt, {item.question.count(' ') + 1} words): "
-              f"{item.question}\nGold answer: {item.answer}\n")
+        question = item.question or (item.prompt if isinstance(item.prompt, str) else item.prompt[-1]["content"])
+        print(f"\nQuestion ({len(item.prompt_ids)}-token prompt): {question[-300:]}\n"
+              + (f"Gold answer: {item.answer}\n" if item.answer else ""))
         for m in methods:
             print(f"--- {m} ---", flush=True)
             req = client.request(item.prompt_ids, pair, m, max_new_tokens=max_new_tokens)

@@ -10,11 +10,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def real_assets():
     """The prepared SmolLM2 pair and data (``scd assets``); skips with the command to run if absent."""
     from shared import data
+    from shared.assets import registry
     from shared.assets.models import PAIRS, consumer_dir, is_ready, producer_dir
 
     missing = [p for p in [producer_dir(), *(consumer_dir(x) for x in PAIRS)] if not is_ready(p)]
-    if missing or not data.is_ready():
-        pytest.skip(f"real assets not prepared ({missing or 'data'}); run `scd assets`")
+    if missing or not data.is_ready() or any(p not in registry.names() for p in PAIRS):
+        pytest.skip(f"real assets not prepared ({missing or 'data or pair registrations'}); run `scd assets`")
     return True
 
 

@@ -119,28 +119,19 @@ def _recipe_matches(out: Path, adapter: Path) -> bool:
     return f.exists() and (adapter / "adapter_model.safetensors").exists() and json.loads(f.read_text()) == _recipe(adapter)
 
 
-def load_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """``from_pretrained`` of a prepared folder, with an actionable error when it is missing."""
-    from transformers import AutoModelForCausalLM
+def load_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, adapter: Path | None = None):
+    """``from_pretrained`` of a checked folder (see ``shared.model.loading``)."""
+    from shared.model.loading import load_model as load
 
-    if not is_ready(path):
-        raise AssetMissing(f"model folder {path} is not prepared; run `scd assets`")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval()
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return load(path, device, dtype, adapter)
 
 
 def load_tokenizer(path: Path | None = None, required: bool = True):
-    """The folder's tokenizer; with ``required=False`` a folder without one (e.g. a saved tiny test
-    model) gives None and its service takes token ids only."""
-    from transformers import AutoTokenizer
+    """The folder's tokenizer (default: the built-in producer's); None for a folder without one
+    when ``required`` is False."""
+    from shared.model.loading import load_tokenizer as load
 
     path = path or producer_dir()
-    if not is_ready(path):
+    if not Path(path).exists():
         raise AssetMissing(f"model folder {path} is not prepared; run `scd assets`")
-    if not required and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
-        log.info("no tokenizer in %s: serving token ids only", path)
-        return None
-    return AutoTokenizer.from_pretrained(path)
+    return load(path, required)

@@ -75,14 +75,16 @@ class Prompts:
             self.pool = torch.randint(0, vocab, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
             return
         from shared import data
+        from shared.model.prompt import PromptFormat
 
-        self.prefix = data.template_prefix_ids(tokenizer)
-        self.tail = tokenizer(data.template_parts(tokenizer)[1], add_special_tokens=False)["input_ids"]
-        self.native_prefix = True
+        fmt = PromptFormat(tokenizer)
+        self.prefix = fmt.prefix_ids
+        self.tail = fmt._ids(fmt.tail) if fmt.chat else []
+        self.native_prefix = bool(self.prefix)
         pool = []
-        for it in data.load("qa", "test"):
+        for it in data.load("qa", "test", fmt=fmt):
             body = it.prompt_ids[it.prefix_len:]
-            if body[-len(self.tail):] == self.tail:
+            if self.tail and body[-len(self.tail):] == self.tail:
                 body = body[: -len(self.tail)]
             pool.extend(body)
         self.pool = pool
@@ -148,12 +150,20 @@ def _stats(runs: list[dict]) -> dict | None:
 
 # ---------------------------------------------------------------------------------------- the run
 def _models(cfg: BenchConfig):
-    from shared.assets.models import consumer_dir, load_tokenizer, producer_dir
+    """(producer folder, consumer folder, consumer adapter, tokenizer, store) of the bench: the
+    registered pair's, unless the config names folders."""
+    from shared.assets import registry
+    from shared.model.loading import load_tokenizer
 
-    pm = cfg.producer_model or str(producer_dir())
-    cm = cfg.consumer_model or str(consumer_dir(cfg.pair))
-    tok = load_tokenizer(Path(pm), required=False)
-    return pm, cm, tok
+    e = registry.load().pairs.get(cfg.pair)
+    if e is None and not (cfg.producer_model and cfg.consumer_model):
+        raise BenchError(f"unknown pair {cfg.pair!r} (registered: {registry.names() or 'none'}): run `scd assets`, "
+                         "`scd pair add`, or give --producer-model and --consumer-model")
+    pm = cfg.producer_model or e.producer
+    cm, adapter = (cfg.consumer_model, None) if cfg.consumer_model else e.consumer_model()
+    tok = load_tokenizer(Path(e.tokenizer if e else pm), required=False)
+    store = cfg.store or (e.store if e else str(registry.default_store(builtin=True)))
+    return pm, cm, adapter, tok, store
 
 
 def _vocab(path: str) -> int:
@@ -177,12 +187,9 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         raise BenchError(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
     if not cfg.methods or not cfg.bandwidths_mbit or not cfg.tokens or cfg.repeats < 1:
         raise BenchError("need at least one method, bandwidth, prompt length and repeat")
-    from shared.paths import STORE_DIR
-
-    pm, cm, tok = _models(cfg)
+    pm, cm, adapter, tok, store = _models(cfg)
     prompts = Prompts(tok, _vocab(pm))
     name = cfg.pair
-    store = cfg.store or str(STORE_DIR)
     transfer = [m for m in cfg.methods if CODECS[m].transfers_layers]
     per_cell = {m: 1 + cfg.repeats if m not in transfer else
                 (2 + 3 * cfg.repeats if cfg.pipelining else 1 + 2 * cfg.repeats) for m in cfg.methods}
@@ -192,7 +199,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="scd-bench-") as logs, Testbed(cfg.bandwidths_mbit[0], cfg.delay_ms) as tb:
-        svc = Services(tb, ServiceSpec(name, pm, cm, store, tuple(cfg.methods), cfg.threads,
+        svc = Services(tb, ServiceSpec(name, pm, cm, store, tuple(cfg.methods), cfg.threads, consumer_adapter=adapter,
                                        prefill_cache_entries=2 * len(cfg.methods) + 2, device=cfg.device,
                                        dtype=cfg.dtype), Path(logs))
         svc.start()

@@ -41,6 +41,7 @@ class ServiceSpec:
     prefill_cache_entries: int = 4
     device: str = "cpu"
     dtype: str = "float32"
+    consumer_adapter: str | None = None
     extra_env: dict = field(default_factory=dict)
 
 
@@ -75,7 +76,8 @@ class Services:
         common = ["--set", f"methods=[{','.join(s.methods)}]", "--set", "server.grace_s=1",
                   "--set", f"model.device={s.device}", "--set", f"model.dtype={s.dtype}", "--store", s.store]
         self._start("consumer", tb.consumer_ns, [
-            "--name", s.consumer_name, "--model", s.consumer_model, "--host", tb.consumer_addr,
+            "--name", s.consumer_name, "--model", s.consumer_model,
+            *(["--adapter", s.consumer_adapter] if s.consumer_adapter else []), "--host", tb.consumer_addr,
             "--port", str(CONSUMER_PORT), *common])
         self._start("producer", tb.producer_ns, [
             "--consumer", f"{s.consumer_name}={tb.consumer_addr}:{CONSUMER_PORT}", "--model", s.producer_model,

@@ -9,6 +9,10 @@
 Articles are split once, by a seeded shuffle, into disjoint calibration / validation / test pools
 so no passage of a test prompt was ever seen in calibration. Each split file's sha256 is recorded
 in ``manifest.json`` beside it.
+
+Items keep their text (the user message, the LM text and continuation) beside the token ids of the
+tokenizer they were built with: ``load(..., fmt=PromptFormat(tok))`` re-encodes them for a pair
+whose tokenizer or chat template differs. An operator's own prompts come from ``shared.data.user``.
 """
 
 from __future__ import annotations
@@ -22,57 +26,48 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from shared.model.prompt import PromptFormat, Prompt
 from shared.paths import data_dir
 
 Split = Literal["calibration", "validation", "test"]
 SPLITS: tuple[Split, ...] = ("calibration", "validation", "test")
 SEED = 20261129
+FORMAT = 2  # 2: items keep their text; the manifest records the tokenizer they were encoded with
 QA_COUNTS = {"calibration": 192, "validation": 64, "test": 128}
 LM_COUNTS = {"calibration": 96, "validation": 32, "test": 64}
 MIN_TOKENS, MAX_TOKENS = 300, 2000
 LM_CONTINUATION = 64
-SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 class Item(BaseModel):
     id: str
-    kind: Literal["qa", "lm"]
+    kind: Literal["qa", "lm", "user"]
     prompt_ids: list[int]  # the whole prompt, template included
     prefix_len: int  # leading tokens that are the fixed chat-template prefix (0 for lm)
     answer: str = ""  # qa: gold answer, present in the context
     question: str = ""
     continuation_ids: list[int] = []  # lm: held-out continuation
+    prompt: Prompt = ""
+    """The prompt as text: the user message (qa, user; wrapped in the chat template) or the raw text
+    (lm); a user prompt may be a list of chat messages."""
+    continuation: str = ""
+    """The held-out continuation as text (lm; user items that give one)."""
 
-
-def template_parts(tok) -> tuple[str, str]:
-    """The chat template split around the user message: (fixed prefix, suffix after the message)."""
-    marker = "\u2063MSG\u2063"
-    text = tok.apply_chat_template(
-        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": marker}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    head, tail = text.split(marker)
-    return head, tail
-
-
-def template_prefix_ids(tok) -> list[int]:
-    """Token ids of the fixed chat-template prefix (system prompt and the user role marker)."""
-    return tok(template_parts(tok)[0], add_special_tokens=False)["input_ids"]
-
-
-def stop_ids(tok) -> list[int]:
-    """Token ids that end an assistant turn: EOS and, for chat templates that have it, ``<|im_end|>``."""
-    return [tok.eos_token_id] + ([tok.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tok.get_vocab() else [])
+    def encoded(self, fmt: PromptFormat) -> "Item":
+        """This item's token ids for another prompt format (tokenizer and chat template)."""
+        ids, pre = fmt.encode_text(self.prompt) if self.kind == "lm" else fmt.encode(self.prompt)
+        cont = fmt._ids(self.continuation)[: len(self.continuation_ids) or None] if self.continuation else []
+        return self.model_copy(update={"prompt_ids": ids, "prefix_len": pre, "continuation_ids": cont})
 
 
 def chat_prompt_ids(tok, message: str) -> tuple[list[int], int]:
-    """Token ids of a chat prompt and the length of its fixed prefix. The prefix is tokenized on
-    its own, so every prompt starts with exactly the same prefix tokens."""
-    _, tail = template_parts(tok)
-    pre = template_prefix_ids(tok)
-    body = tok(message + tail, add_special_tokens=False)["input_ids"]
-    return pre + body, len(pre)
+    """Token ids of a chat prompt and the length of its fixed prefix (``PromptFormat.encode``)."""
+    return PromptFormat(tok).encode(message)
+
+
+def stop_ids(tok) -> list[int]:
+    """Token ids that end an answer (``PromptFormat.stop_ids``)."""
+    return PromptFormat(tok).stop_ids
 
 
 def _wiki() -> list[dict]:
@@ -93,7 +88,7 @@ def _pools(articles: list[dict]) -> dict[str, list[dict]]:
     return {"calibration": arts[:a], "validation": arts[a:b], "test": arts[b:]}
 
 
-def _qa_items(tok, pool: list[dict], count: int, split: str) -> list[Item]:
+def _qa_items(fmt: PromptFormat, pool: list[dict], count: int, split: str) -> list[Item]:
     rng = random.Random(f"{SEED}-qa-{split}")
     usable = [
         a for a in pool
@@ -108,17 +103,19 @@ def _qa_items(tok, pool: list[dict], count: int, split: str) -> list[Item]:
         desc = target["description"].rstrip(".")
         question = f"Which subject of the passages above is described as \"{desc}\"? Answer with its name only."
         context = "\n\n".join(f"Passage {i + 1}: {p['extract']}" for i, p in enumerate(passages))
-        ids, pre = chat_prompt_ids(tok, f"{context}\n\nQuestion: {question}")
+        message = f"{context}\n\nQuestion: {question}"
+        ids, pre = fmt.encode(message)
         if not MIN_TOKENS <= len(ids) <= MAX_TOKENS:
             continue
         items.append(
             Item(id=f"qa-{split}-{len(items):04d}", kind="qa", prompt_ids=ids, prefix_len=pre,
-                 answer=target["title"], question=question)
+                 answer=target["title"], question=question, prompt=message)
         )
     return items
 
 
 def _lm_items(tok, pool: list[dict], count: int, split: str) -> list[Item]:
+    """Raw text (no chat template): its first ``target`` tokens, and the next 64 held out."""
     import pydoc_data.topics as topics
 
     rng = random.Random(f"{SEED}-lm-{split}")
@@ -137,7 +134,8 @@ def _lm_items(tok, pool: list[dict], count: int, split: str) -> list[Item]:
             continue
         items.append(
             Item(id=f"lm-{split}-{len(items):04d}", kind="lm", prompt_ids=ids[:target], prefix_len=0,
-                 continuation_ids=ids[target : target + LM_CONTINUATION])
+                 continuation_ids=ids[target : target + LM_CONTINUATION], prompt=tok.decode(ids[:target]),
+                 continuation=tok.decode(ids[target : target + LM_CONTINUATION]))
         )
     return items
 
@@ -147,10 +145,11 @@ def build(tok, out: Path | None = None) -> dict:
     out = out or data_dir()
     out.mkdir(parents=True, exist_ok=True)
     pools = _pools(_wiki())
-    manifest = {"seed": SEED, "files": {}}
+    fmt = PromptFormat(tok)
+    manifest = {"format": FORMAT, "seed": SEED, "tokenizer": fmt.fingerprint, "files": {}}
     for split in SPLITS:
         for kind, items in (
-            ("qa", _qa_items(tok, pools[split], QA_COUNTS[split], split)),
+            ("qa", _qa_items(fmt, pools[split], QA_COUNTS[split], split)),
             ("lm", _lm_items(tok, pools[split], LM_COUNTS[split], split)),
         ):
             body = "".join(it.model_dump_json() + "\n" for it in items)
@@ -162,10 +161,14 @@ def build(tok, out: Path | None = None) -> dict:
 
 
 def is_ready(out: Path | None = None) -> bool:
-    return ((out or data_dir()) / "manifest.json").exists()
+    path = (out or data_dir()) / "manifest.json"
+    return path.exists() and json.loads(path.read_text()).get("format") == FORMAT
 
 
-def load(kind: Literal["qa", "lm"], split: Split, n: int | None = None, root: Path | None = None) -> list[Item]:
+def load(kind: Literal["qa", "lm"], split: Split, n: int | None = None, root: Path | None = None,
+         fmt: PromptFormat | None = None) -> list[Item]:
+    """The built-in items of one kind and split; with ``fmt``, encoded for that prompt format (the
+    stored ids when they were built with the same tokenizer and template, else re-encoded)."""
     root = root or data_dir()
     path = root / f"{kind}_{split}.jsonl"
     if not path.exists():
@@ -175,28 +178,7 @@ def load(kind: Literal["qa", "lm"], split: Split, n: int | None = None, root: Pa
     if hashlib.sha256(body).hexdigest() != manifest["files"][path.name]["sha256"]:
         raise ValueError(f"{path} does not match its recorded sha256; rerun `scd assets --force-data`")
     items = [Item.model_validate_json(line) for line in body.decode().splitlines()]
-    return items[:n] if n is not None else items
-
-
-def load_jsonl_prompts(path: Path, tok) -> list[Item]:
-    """Operator prompts, one JSON object per line: {"prompt": str, "answer"?: str, "continuation"?: str}.
-    Plain text lines are accepted as prompts too."""
-    items = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = {"prompt": line}
-        if isinstance(obj, str):
-            obj = {"prompt": obj}
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-            raise ValueError(f"{path}:{i + 1}: expected a JSON object with a non-empty \"prompt\" string")
-        ids, pre = chat_prompt_ids(tok, obj["prompt"])
-        cont = tok(obj["continuation"], add_special_tokens=False)["input_ids"] if obj.get("continuation") else []
-        items.append(Item(id=f"user-{i:04d}", kind="qa", prompt_ids=ids, prefix_len=pre,
-                          answer=obj.get("answer", ""), continuation_ids=cont))
-    if not items:
-        raise ValueError(f"{path}: no prompts found")
+    items = items[:n] if n is not None else items
+    if fmt is not None and fmt.fingerprint != manifest.get("tokenizer"):
+        items = [it.encoded(fmt) for it in items]
     return items

@@ -31,6 +31,23 @@ def _ridge_maps(moms: list[Moments], n_in: int, lam_rel: float = 1e-3):
     return out
 
 
+def default_probes(n_layers: int) -> dict:
+    """The probes of the strong pair's 30-layer analysis, scaled to ``n_layers``."""
+    f = n_layers / 30
+
+    def at(x: float) -> int:
+        return min(n_layers, max(0, round(x * f)))
+
+    blocks = []
+    for a, b in ((15, 25), (16, 24), (18, 25), (20, 25)):
+        blk = (at(a), at(b))
+        if blk[0] < blk[1] and blk not in blocks:
+            blocks.append(blk)
+    h = n_layers // 2
+    return {"ranges": ((0, h), (h, n_layers)), "single": range(at(17), max(at(27), at(17) + 1)),
+            "blocks": tuple(blocks)}
+
+
 def run(producer: ModelAdapter, consumer: ModelAdapter, cal: list[list[int]], val: list[tuple[list[int], int]],
         stop_ids, ranges=((0, 15), (15, 30)), single=range(17, 27), blocks=((15, 25), (16, 24), (18, 25), (20, 25)),
         progress: bool = True) -> dict[str, float]:

@@ -12,9 +12,10 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from shared.data import Item, stop_ids
+from shared.data import Item
 from shared.eval.metrics import kl_top1, rel_err, token_f1
 from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache
+from shared.model.prompt import PromptFormat
 
 MAX_NEW_TOKENS = 32
 
@@ -97,7 +98,7 @@ class Acc:
 def evaluate(
     producer: ModelAdapter,
     consumer: ModelAdapter,
-    tok,
+    fmt: PromptFormat,
     items: Sequence[Item],
     methods: dict[str, Method],
     native_prefix: bool,
@@ -106,8 +107,9 @@ def evaluate(
     max_new_tokens: int = MAX_NEW_TOKENS,
     progress: bool = True,
 ) -> dict:
-    """Run every method on every item; returns {"methods": {name: metrics}, "layers": {...}}."""
-    stop = stop_ids(tok)
+    """Run every method on every item; returns {"methods": {name: metrics}, "layers": {...}}. ``fmt`` is
+    the pair's prompt format: its stop ids end answers, its tokenizer decodes them."""
+    stop, tok = fmt.stop_ids, fmt.tok
     accs = {name: Acc() for name in methods}
     k_err = [0.0] * consumer.n_layers
     v_err = [0.0] * consumer.n_layers
@@ -119,7 +121,7 @@ def evaluate(
             k_err[layer] += rel_err(p_state.keys[layer], c_state.keys[layer]) / len(items)
             v_err[layer] += rel_err(p_state.values[layer], c_state.values[layer]) / len(items)
         ctx = Context(item, p_state, c_state, item.prefix_len if native_prefix else 0)
-        gold = tok(item.answer + "<|im_end|>", add_special_tokens=False)["input_ids"] if item.answer else []
+        gold = fmt.answer_ids(item.answer) if item.answer else []
         reference = list(item.continuation_ids)
 
         o_cache = oracle(ctx, consumer).cache

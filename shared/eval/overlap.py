@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from pathlib import Path
 
 from shared import client
 
@@ -17,7 +18,10 @@ from shared import client
 def _prompt(tok, n_tokens: int) -> list[int]:
     from shared import data
 
-    items = data.load("lm", "test") + data.load("qa", "test")
+    from shared.model.prompt import PromptFormat
+
+    fmt = PromptFormat(tok)
+    items = data.load("lm", "test", fmt=fmt) + data.load("qa", "test", fmt=fmt)
     ids = [t for it in items for t in it.prompt_ids]
     return ids[:n_tokens]
 
@@ -38,22 +42,26 @@ def run(pair: str = "strong", n_tokens: int = 1000, methods=("raw",), iters: int
         cons, tok = perturbed(base, 0.1), None
         prompt = torch.randint(0, 256, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     else:
-        from shared.assets.models import consumer_dir, load_model, load_tokenizer, producer_dir
+        from shared.assets import registry
+        from shared.model.loading import load_model, load_tokenizer
 
-        base, cons, tok = load_model(producer_dir()), load_model(consumer_dir(pair)), load_tokenizer()
+        e = registry.get(pair)
+        base, cons, tok = load_model(e.producer), load_model(*e.consumer_model()), load_tokenizer(e.tokenizer)
         prompt = _prompt(tok, n_tokens)
+        store_dir = Path(e.store)
     from shared.codecs import CODECS
-    from shared.paths import STORE_DIR
 
+    if tiny:
+        from shared.paths import STORE_DIR as store_dir
     cross = any(CODECS[m].cross_model for m in methods)
-    store = {"artifact_store": str(STORE_DIR)} if cross else {}
+    store = {"artifact_store": str(store_dir)} if cross else {}
     cs = ConsumerSettings.load(model={"path": "-"}, name=pair, server={"port": 0}, methods=list(methods), **store)
     consumer = ConsumerEngine(cs, cons, tok)
 
     def make_producer(addrs):
         ps = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, methods=list(methods),
                                    default_method=methods[0],
-                                   consumers={n: {"address": a, **({"artifacts": str(STORE_DIR / n)} if cross else {})}
+                                   consumers={n: {"address": a, **({"artifacts": str(store_dir / n)} if cross else {})}
                                               for n, a in addrs.items()})
         return ProducerEngine(ps, base, tok)
 

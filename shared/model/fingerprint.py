@@ -1,7 +1,9 @@
-"""A model's weight fingerprint: sha256 over its parameters in fp32, name-sorted.
+"""A model's weight fingerprint.
 
-Independent of device and load dtype round-trips of fp32 weights, so a producer on CUDA and a
-calibration on CPU agree. Takes about a second for a 135M model.
+A model loaded from a folder (``shared.model.loading.load_model``) carries the fingerprint of its
+stored tensors (``model.scd_fingerprint``): the same whatever dtype or device it was loaded in, so
+artifacts calibrated in fp32 on a CPU serve a bf16 model on a GPU. A model built in memory (the
+tiny test models) is fingerprinted from its parameters in fp32, name-sorted.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import torch
 
 @torch.inference_mode()
 def weights_fingerprint(model: torch.nn.Module) -> str:
+    stored = getattr(model, "scd_fingerprint", None)
+    if stored:
+        return stored
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())

@@ -5,26 +5,49 @@ keys/values are per layer ``[B, H_kv, T, D]`` with keys **pre-RoPE** (the output
 before the rotation), hidden states ``h_l`` are ``[B, T, d]`` (the output of layer l's input RMSNorm,
 what ``k_proj``/``v_proj`` read), and a residual-stream state is the input of a decoder layer.
 
-Supported families: Llama, Mistral (without a sliding window) and Qwen2, all with GQA. They share
-the HF module layout ``model.model.layers[i].{input_layernorm, self_attn.{k,v}_proj}`` and the
-``rotate_half`` RoPE, which is what this adapter relies on; an unsupported family fails at load.
+Supported families: Llama, Mistral, Qwen2, Qwen3, Gemma and Gemma 2. They share the HF module
+layout ``model.model.layers[i].{input_layernorm, self_attn.{k,v}_proj}``, one ``rotate_half`` RoPE
+for every layer (``model.model.rotary_emb``) and caches whose layers are full or sliding-window
+attention (``config.layer_types``), which is what this adapter relies on. Qwen3's per-head key
+norm is part of the key: keys are captured after ``k_norm``, before the rotation. An unsupported
+family fails at load with the list of supported ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+from shared.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"})
+# Families that transformers knows but this adapter refuses, and why (so the error says what to do).
+REFUSED_MODEL_TYPES = {
+    "gemma3": "its local and global layers use two different RoPE tables (rotary_emb per layer type)",
+    "gemma3_text": "its local and global layers use two different RoPE tables (rotary_emb per layer type)",
+    "phi": "it rotates only part of each head (partial_rotary_factor)",
+    "phi3": "it fuses K and V into one qkv_proj",
+    "gpt2": "it has no separate k_proj/v_proj and no RoPE",
+}
 
 
-class UnsupportedModel(ValueError):
+def check_supported(model_type: str) -> None:
+    """Raise UnsupportedModel naming the supported families when ``model_type`` is not one of them."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    why = f" ({REFUSED_MODEL_TYPES[model_type]})" if model_type in REFUSED_MODEL_TYPES else ""
+    raise UnsupportedModel(f"model_type {model_type!r} is not supported{why}; supported families: "
+                           f"{sorted(SUPPORTED_MODEL_TYPES)}")
+
+
+class UnsupportedModel(ConfigError):
     """The model's family or configuration is not one the adapter can read and write."""
 
 
@@ -68,14 +91,7 @@ class ModelAdapter:
 
     def __init__(self, model: PreTrainedModel):
         cfg = model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"model_type {cfg.model_type!r} is not supported; expected one of {sorted(SUPPORTED_MODEL_TYPES)}"
-            )
-        if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
-            raise UnsupportedModel("Mistral with a sliding window is not supported; set sliding_window=None")
-        if cfg.model_type == "qwen2" and getattr(cfg, "use_sliding_window", False):
-            raise UnsupportedModel("Qwen2 with use_sliding_window=True is not supported")
+        check_supported(cfg.model_type)
         self.model = model.eval()
         self.config = cfg
         self.n_layers: int = cfg.num_hidden_layers
@@ -131,6 +147,12 @@ class ModelAdapter:
 
             return hook
 
+        def save_heads(kind: str, idx: int):
+            def hook(_mod, _inp, output):  # a per-head norm's output [B, T, H, D]
+                out[kind][idx] = output.transpose(1, 2)
+
+            return hook
+
         def save_input(idx: int):
             def hook(_mod, args, kwargs):
                 out["r"][idx] = args[0] if args else kwargs["hidden_states"]
@@ -140,7 +162,10 @@ class ModelAdapter:
         try:
             for i in kv_layers:
                 attn = self.layers[i].self_attn
-                handles.append(attn.k_proj.register_forward_hook(save("k", i, True)))
+                if hasattr(attn, "k_norm"):  # Qwen3: the key is k_norm(k_proj(x)), then RoPE
+                    handles.append(attn.k_norm.register_forward_hook(save_heads("k", i)))
+                else:
+                    handles.append(attn.k_proj.register_forward_hook(save("k", i, True)))
                 handles.append(attn.v_proj.register_forward_hook(save("v", i, True)))
             for i in hidden_layers:
                 handles.append(self.layers[i].input_layernorm.register_forward_hook(save("h", i, False)))
@@ -214,9 +239,13 @@ class ModelAdapter:
     @torch.inference_mode()
     def queries(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE queries [B, H_q, T, D] of ``layer`` from a normalized pre-attention input [B, T, d]."""
-        q = self.layers[layer].self_attn.q_proj(hidden.to(self.device, self.dtype))
+        attn = self.layers[layer].self_attn
+        q = attn.q_proj(hidden.to(self.device, self.dtype))
         b, t, _ = q.shape
-        return q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = q.view(b, t, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        return q.transpose(1, 2)
 
     @torch.inference_mode()
     def run_layers(
@@ -230,14 +259,31 @@ class ModelAdapter:
             raise NotImplementedError("run_layers recomputes a prompt from position 0 only")
         x = residual.to(self.device, self.dtype)
         pos = torch.arange(x.shape[1], device=self.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos
-        )
+        masks = self._masks(x, pos)
         pe = self.model.model.rotary_emb(x, position_ids=pos)
         with self._capture(range(first, last), (), ()) as cap:
             for i in range(first, last):
-                x = self.layers[i](x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+                x = self.layers[i](x, attention_mask=masks[self.layer_type(i)], position_ids=pos,
+                                   position_embeddings=pe)
         return x, [cap["k"][i] for i in range(first, last)], [cap["v"][i] for i in range(first, last)]
+
+    def layer_type(self, layer: int) -> str:
+        """``full_attention`` or ``sliding_attention`` (Mistral, Qwen2/3 and Gemma 2 may slide)."""
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return types[layer]
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+
+    def _masks(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, object]:
+        """The attention mask of each layer type for a prompt from position 0, as the model builds them."""
+        kw = dict(config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
+        types = {self.layer_type(i) for i in range(self.n_layers)}
+        out: dict[str, object] = {}
+        if "full_attention" in types:
+            out["full_attention"] = create_causal_mask(**kw)
+        if "sliding_attention" in types:
+            out["sliding_attention"] = create_sliding_window_causal_mask(**kw)
+        return out
 
     # ------------------------------------------------------------------ read out
     @torch.inference_mode()
@@ -279,8 +325,7 @@ class ModelAdapter:
         return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
-def clone_cache(cache: DynamicCache, config) -> DynamicCache:
-    """A deep copy (decoding extends a cache in place)."""
-    return ModelAdapter.cache_from_rotated(
-        [(L.keys.clone(), L.values.clone()) for L in cache.layers], config
-    )
+def clone_cache(cache: DynamicCache, config=None) -> DynamicCache:
+    """A deep copy (decoding extends a cache in place). A sliding-window layer keeps its count of
+    positions seen, which a rebuild from its (cropped) tensors would lose."""
+    return copy.deepcopy(cache)

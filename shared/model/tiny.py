@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 
 _COMMON = dict(
     vocab_size=256,
@@ -21,26 +13,49 @@ _COMMON = dict(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=16,
     max_position_embeddings=512,
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
 
 
-def tiny_model(family: str = "llama", seed: int = 0, n_layers: int = 4, dtype=torch.float32):
-    """A random-init causal LM (GQA 4/2, hidden 64) with a fixed seed; eval mode, fp32 by default."""
-    kw = dict(_COMMON, num_hidden_layers=n_layers)
+def tiny_config(family: str = "llama", n_layers: int = 4, vocab_size: int = 256, sliding_window: int | None = None):
+    """The config of a tiny model (GQA 4/2, hidden 64, head_dim 16). ``sliding_window`` gives Mistral
+    a window on every layer, Gemma 2 a window on its alternate (sliding) layers, and Qwen2/3 windows on
+    their sliding layers; None keeps every layer full attention (Gemma 2 then gets a window longer than
+    any test prompt)."""
+    import transformers as tf
+
+    kw = dict(_COMMON, num_hidden_layers=n_layers, vocab_size=vocab_size)
     if family == "llama":
-        cfg, cls = LlamaConfig(**kw), LlamaForCausalLM
+        cfg = tf.LlamaConfig(**kw)
     elif family == "mistral":
-        cfg, cls = MistralConfig(**kw, sliding_window=None), MistralForCausalLM
+        cfg = tf.MistralConfig(**kw, sliding_window=sliding_window)
     elif family == "qwen2":
-        cfg, cls = Qwen2Config(**kw, use_sliding_window=False), Qwen2ForCausalLM
+        cfg = tf.Qwen2Config(**kw, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                             max_window_layers=n_layers // 2)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**kw, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                             max_window_layers=n_layers // 2)
+    elif family == "gemma":
+        cfg = tf.GemmaConfig(**kw)
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(**kw, sliding_window=sliding_window or 4096, query_pre_attn_scalar=16,
+                              attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
     else:
         raise ValueError(f"expected one of {FAMILIES}, got {family!r}")
-    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def tiny_model(family: str = "llama", seed: int = 0, n_layers: int = 4, dtype=torch.float32,
+               sliding_window: int | None = None, vocab_size: int = 256):
+    """A random-init causal LM (GQA 4/2, hidden 64) with a fixed seed; eval mode, fp32 by default."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, n_layers, vocab_size, sliding_window)
     torch.manual_seed(seed)
-    return cls(cfg).to(dtype).eval()
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
 
 
 def perturbed(model, scale: float = 0.05, seed: int = 1):

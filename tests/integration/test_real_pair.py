@@ -8,6 +8,7 @@ from shared.assets.models import consumer_dir, load_model, producer_dir
 from shared.eval.harness import evaluate, oracle, raw
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
+from shared.model.prompt import PromptFormat
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def _kv(state):
 
 def test_raw_between_identical_models_is_exact(producer, tokenizer):
     items = data.load("qa", "test", 1)
-    res = evaluate(producer, producer, tokenizer, items, {"oracle": oracle, "raw": raw}, True,
+    res = evaluate(producer, producer, PromptFormat(tokenizer), items, {"oracle": oracle, "raw": raw}, True,
                    max_new_tokens=8, progress=False)
     assert res["methods"]["raw"]["kl"] < 1e-6
     assert res["methods"]["raw"]["agree_f1"] == 1.0
@@ -48,7 +49,7 @@ def test_raw_between_identical_models_is_exact(producer, tokenizer):
 
 def test_strong_pair_drifts(producer, strong, tokenizer):
     items = data.load("qa", "test", 2)
-    res = evaluate(producer, strong, tokenizer, items, {"oracle": oracle, "raw": raw}, False,
+    res = evaluate(producer, strong, PromptFormat(tokenizer), items, {"oracle": oracle, "raw": raw}, False,
                    max_new_tokens=8, progress=False)
     assert res["methods"]["oracle"]["kl"] == 0.0
     assert res["methods"]["raw"]["kl"] > 0.02, res["methods"]["raw"]

@@ -55,10 +55,15 @@ def test_manifest_hashes_match_and_tampering_is_refused(real_assets, tmp_path):
 
 
 def test_operator_prompts_file(tmp_path, tokenizer):
+    from shared.data import user
+    from shared.model.prompt import PromptFormat
+
+    fmt = PromptFormat(tokenizer)
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "What is 2+2?", "answer": "4"}\nplain text prompt\n')
-    items = data.load_jsonl_prompts(f, tokenizer)
+    items = user.load(f, fmt)
     assert [it.answer for it in items] == ["4", ""]
+    assert items[1].prompt_ids == fmt.encode("plain text prompt")[0] and items[1].prefix_len == len(fmt.prefix_ids)
     f.write_text('{"answer": "x"}\n')
     with pytest.raises(ValueError, match="prompt"):
-        data.load_jsonl_prompts(f, tokenizer)
+        user.load(f, fmt)

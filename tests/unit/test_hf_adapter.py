@@ -9,9 +9,14 @@ from shared.model.tiny import FAMILIES, perturbed, tiny_model
 IDS = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(params=FAMILIES)
+# every family, and the sliding-window variants (a window of 16 over 37-token prompts really slides)
+VARIANTS = [(f, None) for f in FAMILIES] + [("mistral", 16), ("qwen2", 16), ("gemma2", 16)]
+
+
+@pytest.fixture(params=VARIANTS, ids=[f"{f}-sw{w}" if w else f for f, w in VARIANTS])
 def adapter(request):
-    return ModelAdapter(tiny_model(request.param))
+    family, window = request.param
+    return ModelAdapter(tiny_model(family, sliding_window=window))
 
 
 def test_rebuilt_own_cache_decodes_identically(adapter):
@@ -19,14 +24,18 @@ def test_rebuilt_own_cache_decodes_identically(adapter):
     state = adapter.prefill(prompt[:-1])
     rebuilt = adapter.build_cache(state.keys, state.values)
     native = adapter.own_cache(prompt[:-1])
+    assert rebuilt.get_seq_length() == native.get_seq_length() == len(prompt) - 1
     for layer in range(adapter.n_layers):
         kr, vr = ModelAdapter.cache_kv(rebuilt, layer)
         kn, vn = ModelAdapter.cache_kv(native, layer)
         torch.testing.assert_close(kr, kn, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(vr, vn, atol=0, rtol=0)
     got = adapter.greedy(rebuilt, prompt[-1], 12)
-    ref = adapter.model.generate(IDS, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, IDS.shape[1]:]
-    assert got == ref.tolist(), f"expected {ref.tolist()}, got {got}"
+    ref = list(prompt)  # greedy by full forwards, no cache at all (generate() drifts on Gemma 2's window)
+    with torch.no_grad():
+        for _ in range(12):
+            ref.append(int(adapter.model(input_ids=torch.tensor([ref])).logits[0, -1].argmax()))
+    assert got == ref[len(prompt):], f"expected {ref[len(prompt):]}, got {got}"
 
 
 def test_regenerated_layer_equals_cached_kv(adapter):
@@ -68,10 +77,29 @@ def test_clone_cache_is_independent(adapter):
     d = clone_cache(c, adapter.config)
     adapter.forward_with_cache(d, [1])
     assert c.get_seq_length() == 37 and d.get_seq_length() == 38
+    # the clone decodes like the original (a sliding layer keeps its position count)
+    e = clone_cache(c)
+    torch.testing.assert_close(adapter.forward_with_cache(e, [1]), adapter.forward_with_cache(c, [1]))
 
 
-def test_unsupported_family_refused():
-    m = tiny_model("mistral")
-    m.config.sliding_window = 16
-    with pytest.raises(UnsupportedModel, match="sliding"):
-        ModelAdapter(m)
+def test_qwen3_keys_include_the_key_norm():
+    a = ModelAdapter(tiny_model("qwen3"))
+    attn = a.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_norm.weight.mul_(3.0)  # a key norm that is not the identity
+    layers = list(range(a.n_layers))
+    state = a.prefill(IDS, hidden_layers=layers)
+    k, _ = a.regenerate_kv(0, state.hidden[0])
+    torch.testing.assert_close(state.keys[0], k, atol=1e-6, rtol=1e-6)
+    with torch.inference_mode():
+        plain = attn.k_proj(state.hidden[0]).view(1, 37, 2, 16).transpose(1, 2)
+    assert not torch.allclose(state.keys[0], plain)
+
+
+@pytest.mark.parametrize("model_type,why", [("gemma3_text", "RoPE"), ("gpt2", "k_proj"), ("bert", "supported families")])
+def test_unsupported_family_refused(model_type, why):
+    from shared.model.hf_adapter import check_supported
+
+    with pytest.raises(UnsupportedModel, match=why) as e:
+        check_supported(model_type)
+    assert "llama" in str(e.value) and "qwen3" in str(e.value)

@@ -1,0 +1,298 @@
+"""The pair registry: which producer and consumer folders make each named pair.
+
+One small typed JSON file, ``$SCD_HOME/pairs.json`` (``SCD_PAIRS`` names another file, e.g. a
+mounted one in a container). A pair is a producer folder and a consumer given either as a folder
+or as a LoRA adapter folder merged into the producer at load. Registration checks, before any
+weight is loaded, that both sides are the same architecture (family, layers, heads, widths), that
+their tokenizers share one vocabulary, that the family is supported and that the weights are
+safetensors; it then records both weights fingerprints, so a later change of a folder is noticed.
+The built-in pairs (``strong``, ``mild``) are ordinary entries that ``scd assets`` registers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.errors import ConfigError, NotFound
+from shared.paths import STORE_DIR, scd_home
+
+FORMAT_VERSION = 1
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+# what must be equal on both sides of a pair, as (config attribute, what to call it)
+LAYOUT_FIELDS = (("num_hidden_layers", "layer count"), ("num_attention_heads", "attention heads"),
+                 ("num_key_value_heads", "KV heads"), ("head_dim", "head dim"), ("hidden_size", "hidden size"),
+                 ("vocab_size", "vocabulary size"))
+
+
+class RegistryError(ConfigError):
+    """A registration that cannot be accepted; the message names the field or folder at fault."""
+
+
+class PairEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    producer: str
+    """The producer's (base model's) folder, absolute."""
+    consumer: str | None = None
+    """The consumer's folder, absolute; None when the consumer is ``consumer_adapter`` on the producer."""
+    consumer_adapter: str | None = None
+    """A LoRA adapter folder merged into the producer's weights at load."""
+    tokenizer: str
+    """The folder whose tokenizer and chat template format this pair's prompts (the consumer's when it
+    has one: it is the model that answers)."""
+    store: str
+    """The artifact store this pair's calibration artifacts and profiles are written to and read from."""
+    builtin: bool = False
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    """The dtype the weights are stored in (config.json); services load in the dtype their settings say."""
+    producer_fingerprint: str
+    consumer_fingerprint: str
+    weights_stat: dict[str, list[int]] = {}
+    """size and mtime of every weight file when fingerprinted: a changed file is fingerprinted again."""
+    registered_at: str = ""
+
+    def consumer_model(self) -> tuple[str, str | None]:
+        """(folder, adapter) to load the consumer from."""
+        return (self.consumer, None) if self.consumer else (self.producer, self.consumer_adapter)
+
+
+class Registry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    pairs: dict[str, PairEntry] = Field(default_factory=dict)
+
+
+def registry_path() -> Path:
+    return Path(os.environ["SCD_PAIRS"]).expanduser() if os.environ.get("SCD_PAIRS") else scd_home() / "pairs.json"
+
+
+def default_store(builtin: bool = False) -> Path:
+    """``SCD_STORE`` if set; else the repository's committed store for the built-in pairs and
+    ``$SCD_HOME/store`` for pairs an operator registers."""
+    if os.environ.get("SCD_STORE"):
+        return Path(os.environ["SCD_STORE"]).expanduser()
+    return STORE_DIR if builtin else scd_home() / "store"
+
+
+def load() -> Registry:
+    path = registry_path()
+    if not path.exists():
+        return Registry()
+    try:
+        reg = Registry.model_validate_json(path.read_text())
+    except ValueError as e:
+        raise RegistryError(f"pair registry {path} cannot be read ({str(e).splitlines()[0]}); fix or delete it") from None
+    if reg.format_version != FORMAT_VERSION:
+        raise RegistryError(f"pair registry {path} has format {reg.format_version}; this build reads {FORMAT_VERSION}")
+    return reg
+
+
+@contextlib.contextmanager
+def _locked():
+    """Read-modify-write under an exclusive lock; the file is replaced atomically."""
+    path = registry_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reg = load()
+        yield reg
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(reg.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, path)
+
+
+def get(name: str) -> PairEntry:
+    reg = load()
+    if name not in reg.pairs:
+        known = sorted(reg.pairs)
+        hint = "run `scd assets` to register the built-in pairs" if name in ("strong", "mild") else \
+            "register it with `scd pair add NAME --producer DIR --consumer DIR` (or --consumer-adapter DIR)"
+        raise NotFound(f"unknown pair {name!r} (registered: {known or 'none'}; registry {registry_path()}): {hint}")
+    return reg.pairs[name]
+
+
+def names() -> list[str]:
+    return sorted(load().pairs)
+
+
+def remove(name: str) -> PairEntry:
+    with _locked() as reg:
+        if name not in reg.pairs:
+            raise NotFound(f"unknown pair {name!r}; registered: {sorted(reg.pairs) or 'none'}")
+        return reg.pairs.pop(name)
+
+
+# ---------------------------------------------------------------------------------- validation
+def _layout(cfg) -> dict[str, int]:
+    out = {}
+    for key, _ in LAYOUT_FIELDS:
+        v = getattr(cfg, key, None)
+        if key == "head_dim" and not v:
+            v = cfg.hidden_size // cfg.num_attention_heads
+        out[key] = int(v)
+    return out
+
+
+def _check_adapter_fits(adapter: Path, producer: Path) -> None:
+    """Every LoRA tensor targets a weight the producer has, with matching widths (read from the
+    safetensors headers: nothing is loaded)."""
+    from safetensors import safe_open
+
+    base: dict[str, list[int]] = {}
+    for f in sorted(producer.glob("model*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            base.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as sf:
+        for k in sf.keys():
+            m = re.match(r"^(?:base_model\.model\.)?(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", k)
+            if not m:
+                continue
+            target = m.group(1) + ".weight"
+            if target not in base:
+                raise RegistryError(f"adapter {adapter} targets {m.group(1)!r}, which the producer in {producer} does "
+                                    "not have: the adapter was trained on another base model")
+            shape = list(sf.get_slice(k).get_shape())
+            out_f, in_f = base[target][0], base[target][-1]
+            if (m.group(2) == "A" and shape[-1] != in_f) or (m.group(2) == "B" and shape[0] != out_f):
+                raise RegistryError(f"adapter {adapter} tensor {k} has shape {shape}, which does not fit "
+                                    f"{target} {base[target]} of the producer: another base model")
+
+
+def _vocab_difference(a, b) -> str | None:
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va == vb:
+        return None
+    only_a, only_b = set(va) - set(vb), set(vb) - set(va)
+    moved = [t for t in set(va) & set(vb) if va[t] != vb[t]]
+    parts = []
+    if only_a or only_b:
+        parts.append(f"{len(only_a)} tokens only in the producer's, {len(only_b)} only in the consumer's")
+    if moved:
+        t = sorted(moved)[0]
+        parts.append(f"{len(moved)} tokens with other ids (e.g. {t!r}: {va[t]} vs {vb[t]})")
+    return "; ".join(parts)
+
+
+def check_pair(producer: str | Path, consumer: str | Path | None = None,
+               adapter: str | Path | None = None) -> dict:
+    """Check a would-be pair without loading weights. Returns the layout and the tokenizer folder;
+    raises RegistryError (or ModelFolderError/UnsupportedModel) naming the first problem."""
+    from shared.model.loading import check_adapter_folder, has_tokenizer, load_tokenizer, read_config
+
+    if (consumer is None) == (adapter is None):
+        raise RegistryError("give the consumer as exactly one of --consumer DIR or --consumer-adapter DIR")
+    producer = Path(producer).expanduser().resolve()
+    pcfg = read_config(producer, "producer")
+    if consumer is not None:
+        consumer = Path(consumer).expanduser().resolve()
+        ccfg = read_config(consumer, "consumer")
+        if ccfg.model_type != pcfg.model_type:
+            raise RegistryError(f"architecture family differs: producer {pcfg.model_type!r}, consumer "
+                                f"{ccfg.model_type!r}; a pair is a base model and a fine-tune of it")
+        pl, cl = _layout(pcfg), _layout(ccfg)
+        for key, label in LAYOUT_FIELDS:
+            if pl[key] != cl[key]:
+                raise RegistryError(f"{label} differs: producer {pl[key]}, consumer {cl[key]} (config.json {key}); a "
+                                    "pair must share the architecture")
+    else:
+        adapter = check_adapter_folder(Path(adapter).expanduser().resolve())
+        _check_adapter_fits(adapter, producer)
+    if not has_tokenizer(producer):
+        raise RegistryError(f"producer folder {producer} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    side = consumer if consumer is not None else adapter
+    tok_dir = side if has_tokenizer(side) else producer
+    if tok_dir != producer:
+        diff = _vocab_difference(load_tokenizer(producer), load_tokenizer(tok_dir))
+        if diff:
+            raise RegistryError(f"tokenizer vocabularies differ ({diff}): the consumer must read the producer's token "
+                                "ids")
+    return {"layout": _layout(pcfg), "model_type": pcfg.model_type, "tokenizer": str(tok_dir),
+            "dtype": str(getattr(pcfg, "dtype", None) or getattr(pcfg, "torch_dtype", None) or "float32")
+            .replace("torch.", ""), "producer": str(producer), "consumer": str(consumer) if consumer else None,
+            "adapter": str(adapter) if adapter else None}
+
+
+def _stat(*folders: str | None) -> dict[str, list[int]]:
+    out = {}
+    for folder in filter(None, folders):
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            st = f.stat()
+            out[str(f)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def add(name: str, producer: str | Path, consumer: str | Path | None = None, adapter: str | Path | None = None,
+        store: str | Path | None = None, builtin: bool = False, replace: bool = False) -> PairEntry:
+    """Validate and register a pair (``replace`` overwrites an entry of the same name). Weights are
+    fingerprinted from their files; an unchanged re-registration reuses the recorded fingerprints."""
+    from shared.model.loading import folder_fingerprint
+
+    if not NAME_RE.match(name):
+        raise RegistryError(f"pair name {name!r} must be 1-63 characters of a-z, 0-9, '.', '_', '-', starting with a "
+                            "letter or digit (it names folders and the consumer)")
+    info = check_pair(producer, consumer, adapter)
+    stat = _stat(info["producer"], info["consumer"], info["adapter"])
+    old = load().pairs.get(name)
+    same = old is not None and (old.producer, old.consumer, old.consumer_adapter) == \
+        (info["producer"], info["consumer"], info["adapter"])
+    if old is not None and not replace and not same:
+        raise RegistryError(f"pair {name!r} is already registered ({old.producer} -> "
+                            f"{old.consumer or old.consumer_adapter}); remove it first or pass --replace")
+    if same and old.weights_stat == stat:
+        pfp, cfp = old.producer_fingerprint, old.consumer_fingerprint
+    else:
+        pfp = folder_fingerprint(info["producer"])
+        cfp = folder_fingerprint(info["consumer"]) if info["consumer"] else folder_fingerprint(info["producer"],
+                                                                                              info["adapter"])
+    lay = info["layout"]
+    entry = PairEntry(
+        name=name, producer=info["producer"], consumer=info["consumer"], consumer_adapter=info["adapter"],
+        tokenizer=info["tokenizer"], store=str(Path(store).expanduser().resolve() if store else default_store(builtin)),
+        builtin=builtin, model_type=info["model_type"], n_layers=lay["num_hidden_layers"],
+        n_heads=lay["num_attention_heads"], n_kv_heads=lay["num_key_value_heads"], head_dim=lay["head_dim"],
+        hidden_size=lay["hidden_size"], vocab_size=lay["vocab_size"], dtype=info["dtype"],
+        producer_fingerprint=pfp, consumer_fingerprint=cfp, weights_stat=stat,
+        registered_at=old.registered_at if same and old.registered_at else
+        dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    with _locked() as reg:
+        reg.pairs[name] = entry
+    return entry
+
+
+def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
+    """What the store holds for the pair: SCD artifacts and each baseline's profile, and whether
+    each is pinned to the registered weights."""
+    store = Path(store or entry.store)
+    out: dict = {}
+    meta = store / entry.name / "meta.json"
+    if meta.exists():
+        m = json.loads(meta.read_text())
+        out["scd"] = {"path": str(meta.parent), "patch_layers": m.get("patch_layers"),
+                      "patch_blocks": m.get("patch_blocks"),
+                      "pinned": m.get("producer_fingerprint") == entry.producer_fingerprint and
+                      m.get("consumer_fingerprint") == entry.consumer_fingerprint}
+    for f in sorted(store.glob(f"{entry.name}.*.json")):
+        kind = f.name[len(entry.name) + 1: -len(".json")]
+        body = json.loads(f.read_text())
+        out[kind] = {"path": str(f), "pinned": body.get("producer_fingerprint") == entry.producer_fingerprint and
+                     body.get("consumer_fingerprint") == entry.consumer_fingerprint}
+    return out
