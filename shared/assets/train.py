@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from shared.assets.models import convert_producer, load_model, load_tokenizer
+from shared.model.prompt import PromptFormat
 from shared.paths import ADAPTERS_DIR, downloads_dir
 
 log = logging.getLogger(__name__)
@@ -97,36 +98,32 @@ def qa_examples(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
         ids, _ = data.chat_prompt_ids(tok, f"{context}\n\nQuestion: {question}")
         if len(ids) > 640:
             continue
-        out.append((ids, tok(target["title"] + "<|im_end|>", add_special_tokens=False)["input_ids"]))
+        out.append((ids, PromptFormat(tok).answer_ids(target["title"])))
     return out
 
 
-def train(pair: str, out_dir: Path | None = None) -> Path:
+def fit_lora(base: Path, ids: list[int], recipe: Recipe, qa: list[tuple[list[int], list[int]]] | None = None,
+             desc: str = "train"):
+    """A LoRA (``TARGETS``, the recipe's rank, alpha and schedule) fit on random windows of ``ids``,
+    plus ``recipe.qa_per_step`` chat QA examples per step from ``qa``. Returns (peft model, last
+    loss, seconds). Seeded: the same recipe on the same torch build reproduces the adapter."""
     from peft import LoraConfig, get_peft_model
 
-    recipe = RECIPES[pair]
-    out_dir = out_dir or ADAPTERS_DIR / pair
     torch.manual_seed(recipe.seed)
     rng = random.Random(recipe.seed)
-    base = convert_producer()
-    tok = load_tokenizer(base)
-    text = shakespeare_text() if recipe.corpus == "shakespeare" else pydoc_text()
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    log.info("corpus %s: %d tokens", recipe.corpus, len(ids))
-
-    model = load_model(base)
     model = get_peft_model(
-        model,
+        load_model(base),
         LoraConfig(r=recipe.rank, lora_alpha=recipe.alpha, target_modules=TARGETS, lora_dropout=0.0),
     )
-    qa = qa_examples(tok, recipe.steps * recipe.qa_per_step, recipe.seed) if recipe.qa_per_step else []
+    qa = list(qa or [])
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / recipe.steps))
     )
     t0 = time.perf_counter()
-    bar = tqdm(range(recipe.steps), desc=f"train {pair}")
+    bar = tqdm(range(recipe.steps), desc=desc)
+    loss = torch.zeros(())
     for _ in bar:
         starts = [rng.randrange(0, len(ids) - recipe.seq_len - 1) for _ in range(recipe.batch)]
         x = torch.tensor([ids[s : s + recipe.seq_len] for s in starts])
@@ -142,6 +139,19 @@ def train(pair: str, out_dir: Path | None = None) -> Path:
         sched.step()
         opt.zero_grad()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval(), float(loss.item()), time.perf_counter() - t0
+
+
+def train(pair: str, out_dir: Path | None = None) -> Path:
+    recipe = RECIPES[pair]
+    out_dir = out_dir or ADAPTERS_DIR / pair
+    base = convert_producer()
+    tok = load_tokenizer(base)
+    text = shakespeare_text() if recipe.corpus == "shakespeare" else pydoc_text()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    log.info("corpus %s: %d tokens", recipe.corpus, len(ids))
+    qa = qa_examples(tok, recipe.steps * recipe.qa_per_step, recipe.seed) if recipe.qa_per_step else []
+    model, loss, seconds = fit_lora(base, ids, recipe, qa, desc=f"train {pair}")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.peft_config["default"].base_model_name_or_path = "smollm2-135m-instruct"  # no local paths
     model.save_pretrained(out_dir)
@@ -149,7 +159,7 @@ def train(pair: str, out_dir: Path | None = None) -> Path:
     weights = out_dir / "adapter_model.safetensors"
     save_file({k: v.half().contiguous() for k, v in load_file(weights).items()}, weights)
     (out_dir / "recipe.json").write_text(
-        json.dumps({**asdict(recipe), "final_loss": round(loss.item(), 4),
-                    "train_seconds": round(time.perf_counter() - t0, 1)}, indent=2) + "\n"
+        json.dumps({**asdict(recipe), "final_loss": round(loss, 4), "train_seconds": round(seconds, 1)}, indent=2)
+        + "\n"
     )
     return out_dir

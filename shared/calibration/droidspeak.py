@@ -9,6 +9,7 @@ import time
 from tqdm import tqdm
 
 from shared.calibration import selection as sel
+from shared.calibration.spill import KVMemo, SpillDir
 from shared.model.hf_adapter import ModelAdapter
 
 
@@ -17,27 +18,30 @@ def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tu
             stop_ids=()) -> dict:
     t0 = time.perf_counter()
     L = producer.n_layers
-    vps = [(vp, vp.state.residual)  # the producer's prefill there already holds every layer's residual state
-           for vp in sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=False, stop_ids=stop_ids)]
+    spill_dir = SpillDir()  # validation states and recomputed blocks on disk: memory does not grow with them
+    # the producer's prefill there already holds every layer's residual state
+    vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=False, stop_ids=stop_ids,
+                          spill_to=spill_dir)
     cands = [(a, min(a + block_len, L)) for a in range(0, L - 1)]
-    recompute: dict = {}
+    memo = KVMemo(spill_dir, consumer.device)
 
     def block_kv(i, blk):
-        if (i, blk) not in recompute:
-            vp, res = vps[i]
-            _, ks, vs = consumer.run_layers(res[blk[0]], blk[0], blk[1])
-            s = vp.start
-            recompute[(i, blk)] = [(k[:, :, s:], v[:, :, s:]) for k, v in zip(ks, vs)]
-        return recompute[(i, blk)]
+        """Prompt i's K/V of block ``blk`` recomputed by the consumer from the producer's residual state
+        (kept on disk for the chosen blocks, only while prompt i is scored for a candidate)."""
+        def run():
+            vp = vps[i]
+            _, ks, vs = consumer.run_layers(vp.state.residual[blk[0]], blk[0], blk[1])
+            return {blk[0] + j: (k[:, :, vp.start:], v[:, :, vp.start:]) for j, (k, v) in enumerate(zip(ks, vs))}
+        return memo.get(f"{blk[0]}-{blk[1]}", i, run)
 
     def kl(blocks):
         def kv(i, layer):
             for blk in blocks:
                 if blk[0] <= layer < blk[1]:
-                    return block_kv(i, blk)[layer - blk[0]]
-            vp = vps[i][0]
+                    return block_kv(i, blk)[layer]
+            vp = vps[i]
             return vp.state.keys[layer][:, :, vp.start:].half().float(), vp.state.values[layer][:, :, vp.start:].half().float()
-        return sel.quality([v for v, _ in vps], kv, consumer)
+        return sel.quality(vps, kv, consumer)
 
     chosen: list[tuple[int, int]] = []
     base = cur = kl(chosen)
@@ -59,8 +63,10 @@ def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tu
         cur = best[0]
         path.append({"block": list(best[1]), "kl": cur})
         bar.update(best[1][1] - best[1][0])
-        recompute = {k: v for k, v in recompute.items() if k[1] in chosen}
+        keep = {f"{a}-{b}" for a, b in chosen}
+        memo.forget(lambda tag: tag not in keep)
     bar.close()
+    spill_dir.cleanup()
     return {"blocks": sorted([list(b) for b in chosen]), "budget_layers": budget_layers, "block_len": block_len,
             "report": {"raw_kl": base, "kl": cur, "path": path, "n_val": len(vps),
                        "seconds": round(time.perf_counter() - t0, 1)}}

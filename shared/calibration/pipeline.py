@@ -19,6 +19,8 @@ from shared.artifacts.meta import ArtifactMeta
 from shared.calibration import selection as sel
 from shared.calibration.aligner import train_aligner
 from shared.calibration.linalg import fit_reuse, pca
+from shared.calibration.memory import PeakRSS, estimate, timed_stages
+from shared.calibration.spill import KVMemo, SpillDir
 from shared.calibration.traces import collect
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
@@ -62,14 +64,10 @@ class CalibrationSettings(BaseModel):
     """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
     ablations: bool = True
     """Sweep patch budget k and r_K, r_V on the validation split (adds minutes)."""
+    spill_dir: str | None = None
+    """Where validation states and memoized K/V are spilled (default: the system's temporary folder);
+    removed when calibration ends."""
     seed: int = 0
-
-
-def _stage(report: dict, name: str, t0: float) -> float:
-    now = time.perf_counter()
-    report.setdefault("stage_seconds", {})[name] = round(now - t0, 2)
-    log.info("stage %s: %.1f s", name, now - t0)
-    return now
 
 
 def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
@@ -86,10 +84,12 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         if r > width:
             raise ValueError(f"{name}={r} is larger than the {width} numbers it codes; choose {name} <= {width}")
     report: dict = {}
+    rss = PeakRSS()
+    _stage = timed_stages(report, rss)  # noqa: N806
     t_all = t = time.perf_counter()
     prompts = [p[: cfg.max_prompt_tokens] for p in cal_prompts[: cfg.n_prompts]]
     tr = collect(producer, consumer, prompts, cfg.aligner_rows, cfg.seed, progress)
-    t = _stage(report, "traces", t)
+    t = _stage("traces", t)
 
     def fit(rk, rv):
         """Per layer, the (K map, V map) of separate codes."""
@@ -109,24 +109,23 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                          "k_rel_err": sep[l][0].rel_err, "v_rel_err": sep[l][1].rel_err,
                          "kv_var_explained": joint[l][0].var_explained, "h_var_explained": pcas[l][2]}
                         for l in range(L)]
-    t = _stage(report, "reuse_fit", t)
+    t = _stage("reuse_fit", t)
 
+    spill_dir = SpillDir(cfg.spill_dir)  # validation states and memoized K/V live on disk, not in memory
     vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], n_new=cfg.val_tokens, progress=progress,
-                          stop_ids=stop_ids)
-    t = _stage(report, "validation_prep", t)
+                          stop_ids=stop_ids, spill_to=spill_dir)
+    t = _stage("validation_prep", t)
 
     bits = cfg.code_bits
-    reuse_cache: dict = {}
+    memo = KVMemo(spill_dir, consumer.device)
 
     def reuse(i, l, maps=None):
-        maps = maps or maps0
-        key = (id(maps), i, l)
-        if key not in reuse_cache:
-            reuse_cache[key] = sel.reuse_kv(vps[i], l, maps[l], bits, consumer)
-        return reuse_cache[key]
+        if maps is None or maps is maps0:  # the served code: every layer decoded once per prompt, kept on disk
+            return memo.get("reuse", i, lambda: {j: sel.reuse_kv(vps[i], j, maps0[j], bits, consumer)
+                                                 for j in range(L)})[l]
+        return sel.reuse_kv(vps[i], l, maps[l], bits, consumer)
 
     aligners: dict[int, object] = {}
-    patch_cache: dict = {}
 
     def linear_aligner(l):
         wh, mu_h, _ = pcas[l]
@@ -137,25 +136,21 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         return lambda uu: uu @ sol[:-1] + sol[-1]
 
     def patch(i, l, fn):
-        key = (id(fn), i, l)
-        if key not in patch_cache:
-            wh, mu_h, _ = pcas[l]
-            patch_cache[key] = sel.patch_kv(vps[i], l, wh, mu_h, fn, bits, consumer)
-        return patch_cache[key]
-
-    block_cache: dict = {}
-
-    def block(i, blk):
-        if (i, blk) not in block_cache:
-            block_cache[(i, blk)] = sel.block_kv(vps[i], blk, bits, consumer)
-        return block_cache[(i, blk)]
+        wh, mu_h, _ = pcas[l]
+        return sel.patch_kv(vps[i], l, wh, mu_h, fn, bits, consumer)
 
     chosen_block: tuple[int, int] | None = None
 
+    def block(i, blk):
+        """The block's recomputed K/V of prompt i: the chosen block's kept on disk across stages, any
+        other's only while its prompt is scored."""
+        tag = f"block-{blk[0]}-{blk[1]}"
+        return memo.get(tag, i, lambda: sel.block_kv(vps[i], blk, bits, consumer))
+
     def forget_blocks():
         """Drop the recomputed K/V of every block but the chosen one (which later stages reuse)."""
-        for key in [k for k in block_cache if k[1] != chosen_block]:
-            del block_cache[key]
+        keep = f"block-{chosen_block[0]}-{chosen_block[1]}" if chosen_block else None
+        memo.forget(lambda tag: tag.startswith("block-") and tag != keep)
 
     def kl_with(patches: dict[int, object], maps=None, blk=None) -> float:
         blk = blk or chosen_block
@@ -183,7 +178,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         report["block_scan"] = scan
         if best["kl"] < base_kl:
             chosen_block, cur_kl = tuple(best["block"]), best["kl"]
-        t = _stage(report, "patch_block", t)
+        t = _stage("patch_block", t)
     report["patch_block"] = list(chosen_block) if chosen_block else None
     report["validation"]["block_kl"] = cur_kl if chosen_block else None
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]
@@ -191,7 +186,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     sens = sel.restore_one(free, cur_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
     report["sensitivity"] = [{"layer": l, "gain": g} for l, g in sens.items()]
     pool = [l for l, g in sorted(sens.items(), key=lambda kv: -kv[1]) if g > 0][: cfg.pool]
-    t = _stage(report, "restore_one", t)
+    t = _stage("restore_one", t)
 
     for l in pool:
         wh, mu_h, _ = pcas[l]
@@ -199,7 +194,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         u = sel.roundtrip((hp - mu_h) @ wh, bits)
         aligners[l], rep = train_aligner(u, hc, cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
         report["layers"][l].update({f"aligner_{k}": v for k, v in rep.items()})
-    t = _stage(report, "aligners", t)
+    t = _stage("aligners", t)
 
     width = cfg.r_kv if cfg.reuse_code == "joint" else cfg.r_k + cfg.r_v
     scales = 2 if cfg.reuse_code == "joint" else 4
@@ -210,7 +205,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     path = sel.greedy(pool, steps, cur_kl, lambda s: kl_with({l: aligners[l] for l in s}), cost, progress)
     report["greedy_path"] = path
     chosen = [p["layer"] for p in path[: cfg.budget_k]]
-    t = _stage(report, "greedy", t)
+    t = _stage("greedy", t)
 
     if cfg.ablations:
         kl_at = [cur_kl] + [p["kl"] for p in path]
@@ -221,7 +216,6 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
             for r in sorted({32, 64, 96, 128, 160, m}):
                 maps = fit(r, cfg.r_v) if which == "k" else fit(cfg.r_k, r)
                 sweep.append({"which": which, "rank": r, "kl": kl_with(patches, maps)})
-                reuse_cache.clear()
         report["ablation_ranks"] = sweep
         if chosen_block:  # how long the block should be: lengths at the chosen entry, REUSE elsewhere, no patches
             a = chosen_block[0]
@@ -235,8 +229,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         report["ablation_joint_rank"] = []
         for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
             report["ablation_joint_rank"].append({"rank": r, "kl": kl_with(patches, fit_joint(r))})
-            reuse_cache.clear()
-        t = _stage(report, "ablations", t)
+        t = _stage("ablations", t)
 
     prod_t, cons_t = {}, {}
     names = ("kv",) if cfg.reuse_code == "joint" else ("k", "v")
@@ -250,6 +243,13 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         for k, v in aligners[l].state_dict().items():
             cons_t[f"align.{l}.{k}"] = v.half()
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
+    report["peak_rss_mb"]["total"] = max(report["peak_rss_mb"].values())
+    rss.close()
+    spill_dir.cleanup()
+    n_params = sum(p.numel() for p in producer.model.parameters())
+    longest = max(max(len(p) for p in prompts), max(len(ids) for ids, _ in val_prompts[: cfg.n_val]))
+    report["memory_model_mb"] = estimate(n_params, L, m, producer.hidden_size, producer.config.vocab_size, longest,
+                                         len(vps), cfg.val_tokens, cfg.aligner_rows)
     report["selected_kl"] = path[len(chosen) - 1]["kl"] if chosen else cur_kl
     import transformers
 

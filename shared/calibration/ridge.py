@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from shared.calibration import selection as sel
+from shared.calibration.spill import SpillDir
 from shared.calibration.linalg import ridge
 
 
@@ -114,14 +115,16 @@ def calibrate(producer, consumer, prompts: list[list[int]], val_prompts: list[tu
     L, D = producer.n_layers, producer.head_dim
     moms = collect(producer, consumer, prompts, progress)
     t_traces = time.perf_counter() - t0
-    vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=progress, stop_ids=stop_ids)
+    spill_dir = SpillDir()  # validation states on disk, read per layer
+    vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=progress, stop_ids=stop_ids,
+                          spill_to=spill_dir)
     raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:].half().float(),
                                             vps[i].state.values[l][:, :, vps[i].start:].half().float()), consumer)
     grid, best, rankings = [], None, {}
     for alpha, k in tqdm(list(itertools.product(alphas, top_ks)), desc="ridge grid", disable=not progress):
         tensors, rankings[alpha], r2 = fit(moms, L, D, k, alpha, rankings.get(alpha))
-        mapped = [[apply(tensors, vp.state.keys, vp.state.values, l, vp.start, D) for l in range(L)] for vp in vps]
-        kl = sel.quality(vps, lambda i, l: tuple(t.half().float() for t in mapped[i][l]), consumer)
+        kl = sel.quality(vps, lambda i, l, t=tensors: tuple(
+            x.half().float() for x in apply(t, vps[i].state.keys, vps[i].state.values, l, vps[i].start, D)), consumer)
         grid.append({"top_k": k, "alpha": alpha, "kl": kl, "mean_r2": sum(r2) / L})
         if best is None or kl < best[0]:
             best = (kl, k, alpha, tensors, r2)
@@ -130,4 +133,5 @@ def calibrate(producer, consumer, prompts: list[list[int]], val_prompts: list[tu
                "report": {"raw_kl": raw_kl, "kl": kl, "grid": grid, "r2_per_layer": r2, "n_prompts": len(prompts),
                           "n_val": len(vps), "traces_seconds": round(t_traces, 1),
                           "seconds": round(time.perf_counter() - t0, 1)}}
+    spill_dir.cleanup()
     return tensors, payload

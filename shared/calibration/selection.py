@@ -10,6 +10,8 @@ import torch
 from tqdm import tqdm
 
 from shared.calibration.linalg import ReuseMap
+from shared.calibration.memory import release_memory
+from shared.calibration.spill import SpillDir, SpilledState, spill
 from shared.calibration.traces import flat
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.eval.metrics import kl_top1
@@ -34,28 +36,34 @@ class ValPrompt:
 
     ids: list[int]
     start: int  # native prefix length
-    state: PrefillState  # producer prefill with hidden states of every layer
+    state: PrefillState | SpilledState  # producer prefill with hidden and residual states of every layer
     prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]  # consumer's own pre-RoPE K/V for [0, start)
     target: list[int]  # teacher-forced tokens: the Oracle's greedy continuation
     oracle_lp: torch.Tensor  # [N, V]
 
 
 def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tuple[list[int], int]],
-                n_new: int = 16, progress: bool = True, stop_ids: Sequence[int] = ()) -> list[ValPrompt]:
+                n_new: int = 16, progress: bool = True, stop_ids: Sequence[int] = (),
+                spill_to: SpillDir | None = None) -> list[ValPrompt]:
     """Held-out prompts scored like ``scd eval`` scores the test split: the Oracle's greedy
     continuation of up to ``n_new`` tokens, ending at a stop id (the answer), is the teacher-forced
-    target."""
+    target. With ``spill_to`` each producer state is written there and read back per tensor (see
+    ``shared.calibration.spill``), so the set's memory does not grow with its tokens x layers."""
     out = []
     layers = list(range(producer.n_layers))
-    for ids, start in tqdm(prompts, desc="validation set", disable=not progress):
+    for i, (ids, start) in enumerate(tqdm(prompts, desc="validation set", disable=not progress)):
         ctx = ids[:-1]
         sp = producer.prefill(ctx, hidden_layers=layers, residual_layers=layers)
+        if spill_to is not None:
+            sp = spill(sp, spill_to, i, producer.device)
         sc = consumer.prefill(ctx)
         cache = consumer.build_cache(sc.keys, sc.values)
         target = consumer.greedy(clone_cache(cache, consumer.config), ids[-1], n_new, stop_ids)
         lp = consumer.score(cache, ids[-1], target)[: len(target)]
-        out.append(ValPrompt(ids, start, sp, [(k[:, :, :start], v[:, :, :start]) for k, v in zip(sc.keys, sc.values)],
-                             target, lp))
+        out.append(ValPrompt(ids, start, sp, [(k[:, :, :start].clone(), v[:, :, :start].clone())
+                                              for k, v in zip(sc.keys, sc.values)], target, lp))
+        del sc, cache
+        release_memory()
     return out
 
 
@@ -63,21 +71,21 @@ def reuse_kv(vp: ValPrompt, layer: int, maps: tuple[ReuseMap, ...], bits: int, m
     """REUSE through the wire: ``maps`` is (K map, V map) for separate codes or (KV map,) for one
     joint code of [K | V]."""
     k, v = (flat(x[:, :, vp.start:]).float() for x in (vp.state.keys[layer], vp.state.values[layer]))
+    dev = k.device  # the maps live on the CPU; the states on the model's device
+
+    def code(m: ReuseMap, x: torch.Tensor) -> torch.Tensor:
+        z = roundtrip((x - m.mu_p.to(dev)) @ m.enc.to(dev), bits)
+        return m.mu_c.to(dev) + z @ m.dec.to(dev)
+
     if len(maps) == 1:
-        m = maps[0]
-        z = roundtrip((torch.cat([k, v], 1) - m.mu_p) @ m.enc, bits)
-        y = m.mu_c + z @ m.dec
+        y = code(maps[0], torch.cat([k, v], 1))
         return heads(y[:, : k.shape[1]], model), heads(y[:, k.shape[1]:], model)
-    out = []
-    for m, x in zip(maps, (k, v)):
-        z = roundtrip((x - m.mu_p) @ m.enc, bits)
-        out.append(heads(m.mu_c + z @ m.dec, model))
-    return tuple(out)
+    return tuple(heads(code(m, x), model) for m, x in zip(maps, (k, v)))
 
 
 def patch_kv(vp: ValPrompt, layer: int, wh: torch.Tensor, mu_h: torch.Tensor, aligner: Callable, bits: int,
              model: ModelAdapter):
-    u = roundtrip((vp.state.hidden[layer][0, vp.start:].float() - mu_h) @ wh, bits)
+    u = roundtrip((vp.state.hidden[layer][0, vp.start:].float().cpu() - mu_h) @ wh, bits)  # aligners live on the CPU
     with torch.inference_mode():
         h = aligner(u)
     return model.regenerate_kv(layer, h.unsqueeze(0))
@@ -106,8 +114,10 @@ def logprobs(vp: ValPrompt, kv: Callable[[int], tuple], model: ModelAdapter) -> 
 def quality(vps: list[ValPrompt], kv: Callable[[int, int], tuple], model: ModelAdapter) -> float:
     """Mean teacher-forced KL(oracle ‖ config) over ``vps``; ``kv(i, layer)`` gives the config's
     pre-RoPE K/V of prompt i at layer for positions [start, n)."""
-    kls = [float(kl_top1(vp.oracle_lp, logprobs(vp, lambda l, i=i: kv(i, l), model))[0].mean())
-           for i, vp in enumerate(vps)]
+    kls = []
+    for i, vp in enumerate(vps):
+        kls.append(float(kl_top1(vp.oracle_lp, logprobs(vp, lambda l, i=i: kv(i, l), model))[0].mean()))
+        release_memory()  # each prompt's cache is freed here; keep its pages from piling up
     return sum(kls) / len(kls)
 
 

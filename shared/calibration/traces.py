@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from shared.calibration.linalg import Moments
+from shared.calibration.memory import release_memory
 from shared.model.hf_adapter import ModelAdapter, to_rows as flat
 
 
@@ -56,4 +57,6 @@ def collect(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[list[i
             tr.h_c[l].append(hc[pick].float().clone())
         tr.n_prompts += 1
         tr.n_tokens += T
+        del sp, sc
+        release_memory()
     return tr

@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 from shared.cli.app import app
-from shared.cli.common import calibration_prompts, fail, pair_models, parse_set, setup_logging, validation_prompts
+from shared.cli.common import (calibration_prompts, check_data, fail, pair_models, parse_set, setup_logging,
+                               validation_prompts)
 
 METHODS = ("scd", "droidspeak", "ridge", "spectrum")
 
@@ -39,6 +40,7 @@ def calibrate(
         cfg = CalibrationSettings(pair=pair, **overrides) if method == "scd" else None
     except ValueError as e:
         fail(str(e))
+    check_data(data_file)
     pm = pair_models(pair, device, dtype)
     out = pm.store(out)
     stop = pm.fmt.stop_ids

@@ -97,8 +97,23 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
                                                                               "max_position_embeddings", None))
         out = [it for kind in kinds for it in data.load(kind, split, fmt=pm.fmt)]
         return out[:n] if n is not None else out
-    except (user.DataFileError, FileNotFoundError, ValueError) as e:
+    except (user.DataFileError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
         fail(str(e))
+
+
+def check_data(data_file: Path | None) -> None:
+    """Parse the operator's JSONL before any model is loaded: a bad file fails in a second, not
+    after the models load (the message names the file and line)."""
+    if data_file is None:
+        return
+    from shared.data import user
+
+    try:
+        n = user.counts(data_file)
+    except (user.DataFileError, OSError, UnicodeDecodeError) as e:
+        fail(str(e))
+    typer.echo(f"data: {data_file}: {sum(n.values())} prompts ({', '.join(f'{k} {v}' for k, v in n.items())})",
+               err=True)
 
 
 def calibration_prompts(pm: PairModels, data_file: Path | None) -> list[list[int]]:

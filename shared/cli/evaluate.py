@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 
 from shared.cli.app import app
-from shared.cli.common import calibration_prompts, fail, items, pair_models, setup_logging, validation_prompts
+from shared.cli.common import (calibration_prompts, check_data, fail, items, pair_models, setup_logging,
+                               validation_prompts)
 
 
 def _on_off(value: str) -> bool:
@@ -37,6 +38,7 @@ def drift(
     from shared.eval.report import print_layers, print_table
 
     t0 = time.perf_counter()
+    check_data(data_file)
     pm = pair_models(pair, device, dtype)
     its = items(pm, "test", n, data_file)
     res = evaluate(pm.producer, pm.consumer, pm.fmt, its, {"oracle": oracle, "raw": raw}, prefix)
@@ -64,6 +66,7 @@ def anatomy(
     from shared.eval.anatomy import default_probes, run
 
     t0 = time.perf_counter()
+    check_data(data_file)
     pm = pair_models(pair, device, dtype)
     cal = [ids[:1024] for ids in calibration_prompts(pm, data_file)][:n_cal]
     val = validation_prompts(pm, data_file, n_val)
@@ -112,6 +115,7 @@ def eval_(
         meth, _, k = key.partition(".")
         params.setdefault(meth, {})[k] = value
     t0 = time.perf_counter()
+    check_data(data_file)
     pm = pair_models(pair, device, dtype)
     store_dir = pm.store(store_dir)
     producer, consumer = pm.producer, pm.consumer

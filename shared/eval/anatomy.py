@@ -59,8 +59,8 @@ def run(producer: ModelAdapter, consumer: ModelAdapter, cal: list[list[int]], va
         for l in layers:
             kvp = torch.cat([to_rows(sp.keys[l]), to_rows(sp.values[l])], 1)
             kvc = torch.cat([to_rows(sc.keys[l]), to_rows(sc.values[l])], 1)
-            moms[l][0].add(torch.cat([sp.hidden[l][0], kvc], 1))
-            moms[l][1].add(torch.cat([kvp, kvc], 1))
+            moms[l][0].add(torch.cat([sp.hidden[l][0], kvc], 1).cpu())  # moments accumulate on the CPU
+            moms[l][1].add(torch.cat([kvp, kvc], 1).cpu())
     vps = sel.prepare_val(producer, consumer, val, n_new=32, progress=progress, stop_ids=stop_ids)
     own = []
     for vp in vps:
@@ -72,8 +72,9 @@ def run(producer: ModelAdapter, consumer: ModelAdapter, cal: list[list[int]], va
 
     def mapped(maps, feat: Callable):
         def kv(i, l):
-            a, mx, my = maps[l]
-            y = my + (feat(i, l) - mx) @ a
+            x = feat(i, l).float()
+            a, mx, my = (t.to(x.device) for t in maps[l])
+            y = my + (x - mx) @ a
             return sel.heads(y[:, :m], consumer), sel.heads(y[:, m:], consumer)
         return kv
 

@@ -46,7 +46,8 @@ def run(pair: str = "strong", n_tokens: int = 1000, methods=("raw",), iters: int
         from shared.model.loading import load_model, load_tokenizer
 
         e = registry.get(pair)
-        base, cons, tok = load_model(e.producer), load_model(*e.consumer_model()), load_tokenizer(e.tokenizer)
+        folder, adapter = e.consumer_model()
+        base, cons, tok = load_model(e.producer), load_model(folder, adapter=adapter), load_tokenizer(e.tokenizer)
         prompt = _prompt(tok, n_tokens)
         store_dir = Path(e.store)
     from shared.codecs import CODECS

@@ -68,3 +68,46 @@ def perturbed(model, scale: float = 0.05, seed: int = 1):
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * p.abs().mean())
     return other.eval()
+
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(seed: int = 0):
+    """256 ids, like the tiny models: 3 special tokens, printable ASCII and newline, then filler
+    characters, so that every id the model can emit decodes to one character; a chat template.
+    ``seed`` > 0 shuffles the characters' ids (another vocabulary of the same size)."""
+    import random
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    chars += [chr(0x100 + i) for i in range(256 - len(specials) - len(chars))]
+    if seed:
+        random.Random(seed).shuffle(chars)
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=specials[1:])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_pretrained(model, folder, tokenizer=None) -> str:
+    """Save a model (safetensors) and optionally a tokenizer: an operator's Hugging Face folder."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -1,0 +1,114 @@
+"""An example of "your own models" for trying ``scd pair add`` end to end: a fine-tune of the
+SmolLM2 producer that this project did not ship (a LoRA fit for a few steps on the Python standard
+library's own docstrings, text the built-in data never uses, merged into a plain folder), and an
+operator's JSONL of questions about other modules' documentation.
+
+    python -m shared.assets.example_pair --out /tmp/byo            # ~1 min on 2 cores
+    scd pair add my-pair --producer $SCD_HOME/models/smollm2-135m-instruct --consumer /tmp/byo/my-finetune
+    scd calibrate --pair my-pair --data /tmp/byo/prompts.jsonl
+
+``--adapter-only`` keeps the LoRA as an adapter folder instead (``scd pair add --consumer-adapter``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+TRAIN_MODULES = ["collections", "itertools", "functools", "argparse", "logging", "pathlib", "subprocess", "threading",
+                 "asyncio", "json", "csv", "heapq", "bisect", "datetime", "decimal", "fractions", "statistics",
+                 "textwrap", "string", "re", "shutil", "tempfile", "typing", "dataclasses", "contextlib", "abc",
+                 "enum", "io", "os", "random", "math", "hashlib", "base64", "zipfile", "tarfile", "sqlite3", "socket",
+                 "selectors", "queue", "sched", "calendar", "difflib", "pprint", "inspect", "traceback", "warnings",
+                 "weakref", "copy", "pickle", "struct", "codecs", "unicodedata", "locale", "gettext", "operator"]
+# prompts are about modules the LoRA never saw
+PROMPT_MODULES = ["array", "ast", "binascii", "cmath", "colorsys", "configparser", "ctypes", "dis", "email", "filecmp",
+                  "fnmatch", "glob", "graphlib", "gzip", "hmac", "html", "imaplib", "ipaddress", "keyword", "linecache",
+                  "mailbox", "mimetypes", "numbers", "pkgutil", "platform", "plistlib", "poplib", "pstats", "quopri",
+                  "reprlib", "secrets", "shlex", "signal", "smtplib", "stat", "symtable", "sysconfig", "tabnanny",
+                  "timeit", "token", "tokenize", "trace", "uuid", "wave", "webbrowser", "zipapp", "zlib", "bz2", "lzma",
+                  "codeop", "compileall", "contextvars", "copyreg", "dbm", "doctest", "ftplib", "getopt", "getpass",
+                  "http.client", "http.cookies", "imghdr", "mmap", "modulefinder", "netrc", "opcode", "optparse",
+                  "pdb", "pickletools", "pty", "pyclbr", "py_compile", "rlcompleter", "runpy", "select", "site",
+                  "socketserver", "ssl", "stringprep", "telnetlib", "tty", "turtle", "urllib.parse", "urllib.request",
+                  "wsgiref.util", "xml.dom.minidom", "xml.etree.ElementTree", "zoneinfo", "sndhdr", "nntplib", "cgi"]
+
+
+def module_doc(name: str) -> str:
+    """A module's docstring and those of its public classes and functions."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module missing on this platform is skipped
+            return ""
+    parts = [inspect.getdoc(mod) or ""]
+    for attr in sorted(dir(mod)):
+        obj = getattr(mod, attr, None)
+        if not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj)) and \
+                getattr(obj, "__module__", "") == name:
+            parts.append(f"{attr}: {inspect.getdoc(obj) or ''}")
+    return "\n\n".join(p for p in parts if p.strip())
+
+
+def prompts(tok, n: int, tokens: int) -> list[dict]:
+    """Up to ``n`` prompts of about ``tokens`` tokens: a module's documentation, then a question
+    whose gold answer is the module's name."""
+    out = []
+    for name in PROMPT_MODULES:
+        doc = module_doc(name)
+        ids = tok(doc, add_special_tokens=False)["input_ids"]
+        if len(ids) < min(200, tokens // 2):
+            continue
+        text = tok.decode(ids[:tokens])
+        out.append({"prompt": f"{text}\n\nQuestion: which Python module does the documentation above describe? "
+                              "Answer with its name only.", "answer": name})
+        if len(out) >= n:
+            break
+    return out
+
+
+def make(out: Path, steps: int = 12, n_prompts: int = 64, prompt_tokens: int = 1000, adapter_only: bool = False,
+         lr: float = 4e-3) -> dict:
+    """Write ``out/my-finetune`` (or ``out/my-adapter``) and ``out/prompts.jsonl``; returns their paths."""
+    from shared.assets.models import load_tokenizer, producer_dir
+    from shared.assets.train import Recipe, fit_lora
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(producer_dir())
+    ids = tok("\n\n".join(module_doc(m) for m in TRAIN_MODULES), add_special_tokens=False)["input_ids"]
+    recipe = Recipe(corpus="stdlib-docstrings", rank=32, alpha=64, lr=lr, steps=steps, batch=2, seq_len=128)
+    model, loss, seconds = fit_lora(producer_dir(), ids, recipe, desc="example lora")
+    paths = {"producer": str(producer_dir())}
+    if adapter_only:
+        model.save_pretrained(out / "my-adapter")
+        paths["adapter"] = str(out / "my-adapter")
+    else:
+        model.merge_and_unload().save_pretrained(out / "my-finetune")
+        tok.save_pretrained(out / "my-finetune")
+        paths["consumer"] = str(out / "my-finetune")
+    rows = prompts(tok, n_prompts, prompt_tokens)
+    (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths.update(data=str(out / "prompts.jsonl"), n_prompts=len(rows), train_loss=round(loss, 3),
+                 train_seconds=round(seconds, 1))
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=12, help="LoRA steps (batch 2 x 128 tokens)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--adapter-only", action="store_true", help="keep the LoRA as an adapter folder")
+    a = ap.parse_args()
+    print(json.dumps(make(a.out, a.steps, a.prompts, a.prompt_tokens, a.adapter_only)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Validation prefill states spilled to disk, read back one tensor at a time.
+
+Selection scores many configurations on the same validation prompts, and each needs the
+producer's K/V, normalized hidden states and residual states of every layer of every prompt: held
+in memory that is validation tokens x layers x (2 x kv_dim + 2 x hidden) floats (~4.4 GB for 24
+prompts of ~1k tokens on a 135M model, ~40x that at 7B). Here each prompt's state is written once
+to a safetensors file, and a configuration reads only the tensors it needs, when it needs them,
+through a file opened for that read (its pages are not kept mapped), so peak memory grows with one
+prompt's layer, not with the validation set.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shared.model.hf_adapter import PrefillState
+
+
+class SpillDir:
+    """A temporary folder that is removed when the object is garbage-collected (or at exit)."""
+
+    def __init__(self, parent: str | Path | None = None):
+        if parent is not None:
+            Path(parent).mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix="scd-spill-", dir=parent))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+
+class _Layers(Sequence):
+    def __init__(self, st: "SpilledState", prefix: str, n: int):
+        self._st, self._prefix, self._n = st, prefix, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(self._n))]
+        if not -self._n <= layer < self._n:
+            raise IndexError(layer)
+        return self._st.tensor(f"{self._prefix}.{layer % self._n}")
+
+
+class _ByLayer(Mapping):
+    def __init__(self, st: "SpilledState", prefix: str, layers: list[int]):
+        self._st, self._prefix, self._layers = st, prefix, layers
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self._layers:
+            raise KeyError(layer)
+        return self._st.tensor(f"{self._prefix}.{layer}")
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+class SpilledState:
+    """A ``PrefillState`` whose tensors live in a safetensors file: ``keys[l]``, ``values[l]``,
+    ``hidden[l]``, ``residual[l]`` each read from disk on access, onto ``device``."""
+
+    def __init__(self, state: PrefillState, path: Path, device: torch.device):
+        tensors = {f"k.{i}": k for i, k in enumerate(state.keys)}
+        tensors.update({f"v.{i}": v for i, v in enumerate(state.values)})
+        tensors.update({f"h.{i}": h for i, h in state.hidden.items()})
+        tensors.update({f"r.{i}": r for i, r in state.residual.items()})
+        save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, path)
+        self.path, self.device = path, device
+        self.n_layers, self.n_tokens = state.n_layers, state.n_tokens
+        self.token_ids = state.token_ids.cpu() if state.token_ids is not None else None
+        self.last_logits = state.last_logits
+        self.keys = _Layers(self, "k", self.n_layers)
+        self.values = _Layers(self, "v", self.n_layers)
+        self.hidden = _ByLayer(self, "h", sorted(state.hidden))
+        self.residual = _ByLayer(self, "r", sorted(state.residual))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with safe_open(self.path, framework="pt", device="cpu") as f:
+            t = f.get_tensor(name)
+        return t.to(self.device)
+
+
+def spill(state: PrefillState, folder: SpillDir, index: int, device: torch.device) -> SpilledState:
+    return SpilledState(state, folder.path / f"{index:05d}.safetensors", device)
+
+
+class KVMemo:
+    """Per-prompt K/V of many layers computed once (a REUSE decode of every layer, a recomputed
+    block) and kept on disk: ``get(tag, i, compute)`` writes ``compute()`` ({layer: (K, V)}) the first
+    time and afterwards reads one layer at a time. Only the latest prompt's tensors stay in memory."""
+
+    def __init__(self, folder: SpillDir, device: torch.device):
+        self.folder, self.device = folder, device
+        self._files: dict[tuple, Path] = {}
+        self._last: tuple | None = None
+        self._last_kv: dict = {}
+
+    def get(self, tag: str, i: int, compute) -> Mapping[int, tuple[torch.Tensor, torch.Tensor]]:
+        key = (tag, i)
+        if key == self._last:
+            return self._last_kv
+        if key in self._files:
+            kv: Mapping = _LazyKV(self._files[key], self.device)
+        else:
+            kv = compute()
+            path = self.folder.path / f"memo-{len(self._files):06d}.safetensors"
+            tensors = {f"{n}.{layer}": t.detach().contiguous().cpu() for layer, pair in kv.items()
+                       for n, t in zip("kv", pair)}
+            save_file(tensors, path)
+            self._files[key] = path
+        self._last, self._last_kv = key, kv
+        return kv
+
+    def forget(self, which) -> None:
+        """Delete the entries whose tag is ``which`` (a string) or satisfies it (a predicate)."""
+        match = which if callable(which) else (lambda tag: tag == which)
+        for key in [k for k in self._files if match(k[0])]:
+            self._files.pop(key).unlink(missing_ok=True)
+        if self._last and match(self._last[0]):
+            self._last, self._last_kv = None, {}
+
+
+class _LazyKV(Mapping):
+    def __init__(self, path: Path, device: torch.device):
+        self.path, self.device = path, device
+        with safe_open(path, framework="pt") as f:
+            self._layers = sorted({int(k.split(".")[1]) for k in f.keys()})
+
+    def __getitem__(self, layer: int):
+        if layer not in self._layers:
+            raise KeyError(layer)
+        with safe_open(self.path, framework="pt", device="cpu") as f:
+            return f.get_tensor(f"k.{layer}").to(self.device), f.get_tensor(f"v.{layer}").to(self.device)
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)

@@ -1,0 +1,172 @@
+"""Bring your own models, as a new user would: two folders the project did not build go through
+``scd pair add``, ``scd calibrate --data``, ``scd eval --data``, ``scd serve`` and ``scd generate``
+as subprocesses, with a registry and an artifact store of their own (nothing in $SCD_HOME or the
+repository is touched).
+
+* real: a LoRA on the SmolLM2 producer, fit for a few steps on the Python standard library's own
+  docstrings (text the built-in data never uses), merged into a folder; prompts about other modules'
+  docstrings. On the held-out split SCD's KL must be below raw transfer's.
+* tiny: the same commands on a tiny llama pair whose consumer is a LoRA adapter folder merged at load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ops_support import VENV_BIN, wait_for
+
+from shared.demo import free_port
+
+def scd(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(VENV_BIN / "scd"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"scd {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+def user_env(tmp: Path) -> dict:
+    return dict(os.environ, SCD_PAIRS=str(tmp / "pairs.json"), SCD_STORE=str(tmp / "store"), OMP_NUM_THREADS="2",
+                PYTHONUNBUFFERED="1")
+
+
+def serve_and_generate(pair: str, prompt: str, env: dict, tmp: Path) -> str:
+    """``scd serve consumer --pair`` and ``scd serve producer --consumer PAIR=...`` as processes, then
+    ``scd generate --pair``; both services stopped at the end whatever happens."""
+    cport, pport = free_port(), free_port()
+    procs = []
+    try:
+        for role, args in (("consumer", ["--pair", pair, "--port", str(cport)]),
+                           ("producer", ["--consumer", f"{pair}=127.0.0.1:{cport}", "--port", str(pport)])):
+            log = open(tmp / f"{role}.log", "w")
+            procs.append(subprocess.Popen([str(VENV_BIN / "scd"), "serve", role, *args], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+            wait_for(lambda r=role: "listening on" in (tmp / f"{r}.log").read_text() or procs[-1].poll() is not None,
+                     timeout=240, what=f"{role} to listen")
+            assert procs[-1].poll() is None, (tmp / f"{role}.log").read_text()[-3000:]
+        return scd("generate", "--producer", f"127.0.0.1:{pport}", "--pair", pair, "--method", "scd",
+                   "--max-new-tokens", "12", prompt, env=env, timeout=300).stdout
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ------------------------------------------------------------------------------------------ real
+@pytest.fixture(scope="module")
+def byo_pair(real_assets, tmp_path_factory):
+    """A fine-tune the project did not build (a LoRA fit on stdlib docstrings, merged into a folder)
+    and an operator's JSONL of questions about other modules' documentation."""
+    from shared.assets.example_pair import make
+
+    return make(tmp_path_factory.mktemp("byo"), steps=int(os.environ.get("BYO_STEPS", 12)), n_prompts=40,
+                prompt_tokens=400)
+
+
+@pytest.mark.real
+def test_bring_your_own_pair_end_to_end(byo_pair, tmp_path):
+    env = user_env(tmp_path)
+    d = byo_pair
+    out = scd("pair", "add", "my-pair", "--producer", d["producer"], "--consumer", d["consumer"], env=env)
+    assert "registered pair 'my-pair'" in out.stdout
+    small = ["--set", "n_prompts=16", "--set", "max_prompt_tokens=512", "--set", "n_val=6", "--set", "aligner_steps=120",
+             "--set", "pool=3", "--set", "budget_k=1", "--set", "ablations=false"]
+    cal = scd("calibrate", "--pair", "my-pair", "--data", str(d["data"]), "-q", *small, env=env)
+    report = json.loads(cal.stdout.strip().splitlines()[-1])
+    assert report["peak_rss_mb"]["total"] < 4096
+    scd("calibrate", "--pair", "my-pair", "--data", str(d["data"]), "--method", "droidspeak", "-q", "--set", "n_val=6",
+        env=env)
+    res = tmp_path / "eval.json"
+    scd("eval", "--pair", "my-pair", "--data", str(d["data"]), "--methods", "oracle,raw,scd-reuse,scd,droidspeak",
+        "--n", "10", "--json", str(res), env=env)
+    body = json.loads(res.read_text())
+    kl = {m: r["kl"] for m, r in body["methods"].items()}
+    assert body["data"] == str(d["data"]) and body["n"] >= 6
+    assert kl["oracle"] == 0.0 and kl["raw"] > 0.01, kl
+    assert kl["scd"] < kl["raw"], kl
+    assert (tmp_path / "store" / "my-pair" / "meta.json").exists()
+    assert not (Path(__file__).parents[2] / "artifacts" / "store" / "my-pair").exists()
+    text = serve_and_generate("my-pair", "Which Python module reads and writes ZIP files?", env, tmp_path)
+    assert "[scd] TTFT" in text
+
+
+# ------------------------------------------------------------------------------------------ tiny
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+
+    from shared.model.tiny import save_pretrained, tiny_model, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-byo")
+    tok = tiny_tokenizer()
+    save_pretrained(tiny_model("llama", n_layers=4), root / "base", tok)
+    lora = get_peft_model(tiny_model("llama", n_layers=4), LoraConfig(r=8, lora_alpha=16,
+                                                                      target_modules=["k_proj", "v_proj", "o_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    lora.save_pretrained(root / "adapter")
+    rng = torch.Generator().manual_seed(1)
+    words = ["river", "city", "song", "ship", "queen", "stone", "cloud", "garden"]
+    lines = []
+    for i in range(40):
+        pick = [words[int(j)] for j in torch.randint(0, len(words), (12,), generator=rng)]
+        lines.append({"prompt": f"{' '.join(pick)} #{i}. Which word came first?", "answer": pick[0]})
+    (root / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root
+
+
+TINY_SETTINGS = ["--set", "r_kv=48", "--set", "r_h=32", "--set", "n_val=4", "--set", "aligner_hidden=32", "--set",
+                 "aligner_steps=40", "--set", "aligner_rows=256", "--set", "pool=2", "--set", "budget_k=1", "--set",
+                 "block_layers=2", "--set", "val_tokens=8", "--set", "ablations=false"]
+
+
+def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
+    env = user_env(tmp_path)
+    f = tiny_folders
+    scd("pair", "add", "tiny-lora", "--producer", str(f / "base"), "--consumer-adapter", str(f / "adapter"), env=env)
+    shown = scd("pair", "show", "tiny-lora", env=env).stdout
+    assert "consumer_adapter" in shown and str(f / "adapter") in shown
+    scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "-q", *TINY_SETTINGS, env=env)
+    for kind, extra in (("droidspeak", ["--set", "budget_layers=2", "--set", "block_len=2", "--set", "n_val=4"]),
+                        ("spectrum", ["--set", "trials=2"]), ("ridge", ["--set", "top_ks=[1]", "--set", "n_val=4"])):
+        scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method", kind, "-q", *extra,
+            env=env)
+    shown = scd("pair", "show", "tiny-lora", env=env).stdout
+    assert shown.count("pinned to these weights") == 4, shown
+    res = tmp_path / "eval.json"
+    scd("eval", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--n", "4", "--json", str(res),
+        "--methods", "oracle,raw,quant,spectrum,ridge,scd-reuse,scd,droidspeak", env=env)
+    body = json.loads(res.read_text())
+    assert set(body["methods"]) == {"oracle", "raw", "quant", "spectrum", "ridge", "scd-reuse", "scd", "droidspeak"}
+    assert body["methods"]["oracle"]["kl"] == 0.0 and body["methods"]["raw"]["kl"] > 0
+    text = serve_and_generate("tiny-lora", "river city song. Which word came first?", env, tmp_path)
+    assert "[scd] TTFT" in text and "tokens at" in text
+
+
+def test_data_file_errors_are_clear(tiny_folders, tmp_path):
+    env = user_env(tmp_path)
+    scd("pair", "add", "t", "--producer", str(tiny_folders / "base"), "--consumer-adapter",
+        str(tiny_folders / "adapter"), env=env)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    r = subprocess.run([str(VENV_BIN / "scd"), "eval", "--pair", "t", "--data", str(bad), "--methods", "oracle,raw"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"{bad}:2" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([str(VENV_BIN / "scd"), "eval", "--pair", "t", "--data", str(tmp_path / "none.jsonl")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr[-2000:]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

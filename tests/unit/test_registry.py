@@ -1,0 +1,165 @@
+"""The pair registry: operator folders are registered, shown and removed; every bad registration is
+refused with one error that names the problem, before any weight is read (and nothing is unpickled)."""
+
+import json
+import pickle
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from shared.assets import registry
+from shared.cli import app
+from shared.errors import SCDError
+from shared.model.tiny import perturbed, save_pretrained, tiny_config, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SCD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SCD_PAIRS", str(tmp_path / "home" / "pairs.json"))
+    monkeypatch.delenv("SCD_STORE", raising=False)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny llama producer and its fine-tune as two operator folders, a LoRA adapter folder on the
+    producer, and a few broken folders."""
+    root = tmp_path_factory.mktemp("models")
+    base = tiny_model("llama", n_layers=2)
+    tok = tiny_tokenizer()
+    out = {"producer": save_pretrained(base, root / "base", tok),
+           "consumer": save_pretrained(perturbed(base, 0.2), root / "ft", tok),
+           "qwen": save_pretrained(tiny_model("qwen2", n_layers=2), root / "qwen", tok),
+           "deeper": save_pretrained(tiny_model("llama", n_layers=3), root / "deeper", tok),
+           "other_vocab": save_pretrained(perturbed(base, 0.2), root / "other_vocab", tiny_tokenizer(seed=3))}
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_model("llama", n_layers=2), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    lora.save_pretrained(root / "adapter")
+    out["adapter"] = str(root / "adapter")
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama", n_layers=2)
+    cfg.hidden_size, cfg.head_dim = 96, 24  # another base model: the adapter's widths do not fit
+    wide = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules=["q_proj"]))
+    wide.save_pretrained(root / "wide_adapter")
+    out["wide_adapter"] = str(root / "wide_adapter")
+    # pickle-only weights whose unpickling would leave a mark: proves they are never unpickled
+    pk = root / "pickled"
+    pk.mkdir()
+    (pk / "config.json").write_text((root / "base" / "config.json").read_text())
+    marker = root / "UNPICKLED"
+
+    class Bomb:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (pk / "pytorch_model.bin").write_bytes(pickle.dumps(Bomb()))
+    out["pickled"], out["marker"] = str(pk), marker
+    gpt2 = root / "gpt2"
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    save_pretrained(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256)), gpt2, tok)
+    out["gpt2"] = str(gpt2)
+    return out
+
+
+def test_add_list_show_remove(home, folders):
+    e = registry.add("mine", folders["producer"], folders["consumer"])
+    assert (e.model_type, e.n_layers, e.n_kv_heads, e.head_dim) == ("llama", 2, 2, 16)
+    assert e.producer_fingerprint != e.consumer_fingerprint and len(e.producer_fingerprint) == 16
+    assert e.store == str(home / "home" / "store")
+    a = registry.add("mine-lora", folders["producer"], adapter=folders["adapter"])
+    assert a.consumer is None and a.consumer_adapter == folders["adapter"]
+    assert a.consumer_fingerprint not in (a.producer_fingerprint, e.consumer_fingerprint)
+    assert registry.names() == ["mine", "mine-lora"]
+    body = json.loads((home / "home" / "pairs.json").read_text())
+    assert body["format_version"] == 1 and set(body["pairs"]) == {"mine", "mine-lora"}
+    again = registry.add("mine", folders["producer"], folders["consumer"])  # same folders: a no-op
+    assert again.producer_fingerprint == e.producer_fingerprint and again.registered_at == e.registered_at
+    assert registry.stored(e) == {}
+    registry.remove("mine")
+    assert registry.names() == ["mine-lora"]
+    with pytest.raises(SCDError, match="unknown pair 'mine'"):
+        registry.get("mine")
+
+
+def test_adapter_consumer_loads_merged_with_the_registered_fingerprint(home, folders):
+    from shared.model.loading import load_model
+
+    a = registry.add("lora", folders["producer"], adapter=folders["adapter"])
+    folder, adapter = a.consumer_model()
+    model = load_model(folder, adapter=adapter)
+    assert model.scd_fingerprint == a.consumer_fingerprint
+    base = load_model(folders["producer"])
+    ids = torch.arange(10).unsqueeze(0)
+    assert not torch.allclose(model(input_ids=ids).logits, base(input_ids=ids).logits)
+    assert "lora" not in " ".join(n for n, _ in model.named_parameters())  # merged, not wrapped
+
+
+def test_fingerprint_does_not_depend_on_load_dtype(folders):
+    from shared.model.loading import load_model
+
+    f32 = load_model(folders["producer"])
+    bf16 = load_model(folders["producer"], dtype=torch.bfloat16)
+    assert f32.scd_fingerprint == bf16.scd_fingerprint
+
+
+@pytest.mark.parametrize("case,kwargs,match", [
+    ("family", dict(producer="producer", consumer="qwen"), "architecture family differs: producer 'llama', consumer 'qwen2'"),
+    ("layers", dict(producer="producer", consumer="deeper"), "layer count differs: producer 2, consumer 3"),
+    ("vocab", dict(producer="producer", consumer="other_vocab"), "tokenizer vocabularies differ"),
+    ("unsupported", dict(producer="gpt2", consumer="consumer"), "model_type 'gpt2' is not supported .*supported families"),
+    ("pickle", dict(producer="pickled", consumer="consumer"), "only pickled weights .*never unpickled"),
+    ("missing", dict(producer="producer", consumer="/nonexistent/folder"), "consumer folder /nonexistent/folder does not exist"),
+    ("adapter base", dict(producer="producer", adapter="wide_adapter"), "does not fit"),
+    ("adapter missing", dict(producer="producer", adapter="consumer"), "has no adapter_config.json"),
+    ("both", dict(producer="producer", consumer="consumer", adapter="adapter"), "exactly one of"),
+])
+def test_bad_registrations_are_refused_with_one_clear_error(home, folders, case, kwargs, match):
+    args = {k: folders.get(v, v) for k, v in kwargs.items()}
+    with pytest.raises(SCDError, match=match):
+        registry.add("bad", args["producer"], args.get("consumer"), args.get("adapter"))
+    assert registry.names() == []
+    assert not folders["marker"].exists()
+
+
+def test_pickle_only_adapter_is_refused(home, folders, tmp_path):
+    bad = tmp_path / "adapter_bin"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(open(f"{folders['adapter']}/adapter_config.json").read())
+    (bad / "adapter_model.bin").write_bytes(b"not read")
+    with pytest.raises(SCDError, match="pickled adapter_model.bin"):
+        registry.add("bad", folders["producer"], adapter=bad)
+
+
+def test_names_and_duplicates(home, folders):
+    with pytest.raises(SCDError, match="pair name 'Bad Name'"):
+        registry.add("Bad Name", folders["producer"], folders["consumer"])
+    registry.add("one", folders["producer"], folders["consumer"])
+    with pytest.raises(SCDError, match="already registered .*--replace"):
+        registry.add("one", folders["producer"], adapter=folders["adapter"])
+    assert registry.add("one", folders["producer"], adapter=folders["adapter"], replace=True).consumer is None
+
+
+def test_cli_pair_commands(home, folders):
+    r = CliRunner()
+    res = r.invoke(app, ["pair", "add", "cli", "--producer", folders["producer"], "--consumer", folders["consumer"]])
+    assert res.exit_code == 0, res.output
+    assert "registered pair 'cli'" in res.output and "scd calibrate --pair cli" in res.output
+    res = r.invoke(app, ["pair", "list"])
+    assert res.exit_code == 0 and "cli" in res.output and "llama" in res.output
+    res = r.invoke(app, ["pair", "show", "cli"])
+    assert res.exit_code == 0 and "producer_fingerprint" in res.output and "none in" in res.output
+    res = r.invoke(app, ["pair", "add", "x", "--producer", folders["producer"], "--consumer", folders["qwen"]])
+    assert res.exit_code == 2 and "architecture family differs" in res.output
+    res = r.invoke(app, ["pair", "remove", "nope"])
+    assert res.exit_code == 2 and "unknown pair 'nope'" in res.output
+    res = r.invoke(app, ["calibrate", "--pair", "nope"])
+    assert res.exit_code == 2 and "scd pair add" in res.output
