@@ -18,23 +18,16 @@ import inspect
 import json
 from pathlib import Path
 
-TRAIN_MODULES = ["collections", "itertools", "functools", "argparse", "logging", "pathlib", "subprocess", "threading",
-                 "asyncio", "json", "csv", "heapq", "bisect", "datetime", "decimal", "fractions", "statistics",
-                 "textwrap", "string", "re", "shutil", "tempfile", "typing", "dataclasses", "contextlib", "abc",
-                 "enum", "io", "os", "random", "math", "hashlib", "base64", "zipfile", "tarfile", "sqlite3", "socket",
-                 "selectors", "queue", "sched", "calendar", "difflib", "pprint", "inspect", "traceback", "warnings",
-                 "weakref", "copy", "pickle", "struct", "codecs", "unicodedata", "locale", "gettext", "operator"]
-# prompts are about modules the LoRA never saw
-PROMPT_MODULES = ["array", "ast", "binascii", "cmath", "colorsys", "configparser", "ctypes", "dis", "email", "filecmp",
-                  "fnmatch", "glob", "graphlib", "gzip", "hmac", "html", "imaplib", "ipaddress", "keyword", "linecache",
-                  "mailbox", "mimetypes", "numbers", "pkgutil", "platform", "plistlib", "poplib", "pstats", "quopri",
-                  "reprlib", "secrets", "shlex", "signal", "smtplib", "stat", "symtable", "sysconfig", "tabnanny",
-                  "timeit", "token", "tokenize", "trace", "uuid", "wave", "webbrowser", "zipapp", "zlib", "bz2", "lzma",
-                  "codeop", "compileall", "contextvars", "copyreg", "dbm", "doctest", "ftplib", "getopt", "getpass",
-                  "http.client", "http.cookies", "imghdr", "mmap", "modulefinder", "netrc", "opcode", "optparse",
-                  "pdb", "pickletools", "pty", "pyclbr", "py_compile", "rlcompleter", "runpy", "select", "site",
-                  "socketserver", "ssl", "stringprep", "telnetlib", "tty", "turtle", "urllib.parse", "urllib.request",
-                  "wsgiref.util", "xml.dom.minidom", "xml.etree.ElementTree", "zoneinfo", "sndhdr", "nntplib", "cgi"]
+TRAIN_MODULES = ["collections", "itertools", "functools", "json", "csv", "heapq", "bisect", "string", "textwrap",
+                 "random", "math", "statistics", "operator", "copy", "enum", "fractions", "decimal", "datetime"]
+
+
+def prompt_modules() -> list[str]:
+    """Standard-library modules the LoRA never saw, in a fixed order (the prompts are about them)."""
+    import sys
+
+    skip = set(TRAIN_MODULES) | {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "pydoc_data"}
+    return sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in skip)
 
 
 def module_doc(name: str) -> str:
@@ -57,19 +50,18 @@ def module_doc(name: str) -> str:
 
 
 def prompts(tok, n: int, tokens: int) -> list[dict]:
-    """Up to ``n`` prompts of about ``tokens`` tokens: a module's documentation, then a question
-    whose gold answer is the module's name."""
+    """Up to ``n`` prompts of ``tokens`` tokens (a module's documentation is cut into windows of that
+    size; a shorter tail window is dropped), each followed by a question whose gold answer is the
+    module's name."""
     out = []
-    for name in PROMPT_MODULES:
-        doc = module_doc(name)
-        ids = tok(doc, add_special_tokens=False)["input_ids"]
-        if len(ids) < min(200, tokens // 2):
-            continue
-        text = tok.decode(ids[:tokens])
-        out.append({"prompt": f"{text}\n\nQuestion: which Python module does the documentation above describe? "
-                              "Answer with its name only.", "answer": name})
-        if len(out) >= n:
-            break
+    for name in prompt_modules():
+        ids = tok(module_doc(name), add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids) - int(0.8 * tokens) + 1, tokens):
+            text = tok.decode(ids[start : start + tokens])
+            out.append({"prompt": f"{text}\n\nQuestion: which Python module does the documentation above describe? "
+                                  "Answer with its name only.", "answer": name})
+            if len(out) >= n:
+                return out
     return out
 
 

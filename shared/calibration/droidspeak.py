@@ -32,7 +32,7 @@ def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tu
             vp = vps[i]
             _, ks, vs = consumer.run_layers(vp.state.residual[blk[0]], blk[0], blk[1])
             return {blk[0] + j: (k[:, :, vp.start:], v[:, :, vp.start:]) for j, (k, v) in enumerate(zip(ks, vs))}
-        return memo.get(f"{blk[0]}-{blk[1]}", i, run)
+        return memo.get(f"{blk[0]}-{blk[1]}", i, run, keep=blk in chosen)
 
     def kl(blocks):
         def kv(i, layer):

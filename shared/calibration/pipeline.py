@@ -145,7 +145,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         """The block's recomputed K/V of prompt i: the chosen block's kept on disk across stages, any
         other's only while its prompt is scored."""
         tag = f"block-{blk[0]}-{blk[1]}"
-        return memo.get(tag, i, lambda: sel.block_kv(vps[i], blk, bits, consumer))
+        return memo.get(tag, i, lambda: sel.block_kv(vps[i], blk, bits, consumer), keep=blk == chosen_block)
 
     def forget_blocks():
         """Drop the recomputed K/V of every block but the chosen one (which later stages reuse)."""

@@ -28,8 +28,11 @@ class SpillDir:
     """A temporary folder that is removed when the object is garbage-collected (or at exit)."""
 
     def __init__(self, parent: str | Path | None = None):
-        if parent is not None:
-            Path(parent).mkdir(parents=True, exist_ok=True)
+        if parent is None:  # beside the models (the large-assets disk), not in a possibly small /tmp
+            from shared.paths import scd_home
+
+            parent = scd_home() / "spill"
+        Path(parent).mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix="scd-spill-", dir=parent))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
 
@@ -105,18 +108,24 @@ class KVMemo:
     def __init__(self, folder: SpillDir, device: torch.device):
         self.folder, self.device = folder, device
         self._files: dict[tuple, Path] = {}
+        self._n = 0  # files written so far: names are never reused, even after ``forget``
         self._last: tuple | None = None
         self._last_kv: dict = {}
 
-    def get(self, tag: str, i: int, compute) -> Mapping[int, tuple[torch.Tensor, torch.Tensor]]:
+    def get(self, tag: str, i: int, compute, keep: bool = True) -> Mapping[int, tuple[torch.Tensor, ...]]:
+        """Prompt i's K/V of ``tag``; ``keep=False`` holds a new result only while prompt i is the
+        latest one asked for (a configuration scored once), without writing it."""
         key = (tag, i)
         if key == self._last:
             return self._last_kv
         if key in self._files:
             kv: Mapping = _LazyKV(self._files[key], self.device)
+        elif not keep:
+            kv = compute()
         else:
             kv = compute()
-            path = self.folder.path / f"memo-{len(self._files):06d}.safetensors"
+            self._n += 1
+            path = self.folder.path / f"memo-{self._n:06d}.safetensors"
             tensors = {f"{n}.{layer}": t.detach().contiguous().cpu() for layer, pair in kv.items()
                        for n, t in zip("kv", pair)}
             save_file(tensors, path)

@@ -141,7 +141,7 @@ def serve_producer(
     from producer_service.server import build_server, load_engine
     from producer_service.settings import ProducerSettings
 
-    consumers, producers = {}, set()
+    consumers, producers, offered = {}, set(), ["oracle", "raw", "quant", "scd-reuse", "scd"]
     for c in consumer:
         if "=" not in c:
             raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
@@ -161,6 +161,8 @@ def serve_producer(
             store_dir = default_store(builtin=True)
         if (store_dir / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
             consumers[n]["artifacts"] = str(store_dir / n)  # the pair's artifacts and profiles, when calibrated
+            offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
+                        if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
     if model is None and not config and not any(o.startswith("model.") for o in set_):
         if len(producers) > 1:
             fail(f"the registered consumers have different producers ({sorted(producers)}); one producer serves "
@@ -171,9 +173,10 @@ def serve_producer(
             from shared.assets.models import producer_dir
 
             model = str(producer_dir())
+    quick = not config and not set_
     s = _load_settings(ProducerSettings, config, set_, model={"path": model} if model else None,
                        server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
-                       consumers=consumers or None)
+                       consumers=consumers or None, methods=offered if quick else None)
     _serve(load_engine, build_server, s)
 
 

@@ -22,6 +22,9 @@ def test_settings_files_validate():
     p = ProducerSettings.load(DEPLOY / "producer.yaml")
     c = ConsumerSettings.load(DEPLOY / "consumer.yaml")
     assert p.consumers["strong"].address.endswith(":50052") and c.name == "strong"
+    p = ProducerSettings.load(DEPLOY / "byo" / "producer.yaml")  # an operator's own pair, consumer as an adapter
+    c = ConsumerSettings.load(DEPLOY / "byo" / "consumer.yaml")
+    assert c.model.adapter and p.consumers[c.name].tokenizer
 
 
 def test_k8s_manifests_have_probes_and_gpus():
