@@ -12,15 +12,22 @@ from dataclasses import dataclass, field
 import torch
 
 from consumer_service.settings import ConsumerSettings
-from shared.codecs import CODECS, CodecContext, check_enabled, DecodeJob, DecodeSession, make_method
-from shared.errors import ConfigError, FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
+from shared.codecs import CODECS, CodecContext, DecodeJob, DecodeSession, check_enabled, make_method
+from shared.errors import (
+    ConfigError,
+    FingerprintMismatch,
+    InvalidPayload,
+    InvalidRequest,
+    PreconditionFailed,
+    UnknownMethod,
+)
 from shared.generation import Generator, Sampling
 from shared.model.fingerprint import weights_fingerprint
-from shared.worker import TorchWorker
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.prompt import PromptFormat
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import PROTOCOL_VERSION
+from shared.worker import TorchWorker
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
-from shared.codecs import CODECS, CodecContext, check_enabled, TransferMethod, make_method
+from shared.codecs import CODECS, CodecContext, TransferMethod, check_enabled, make_method
 from shared.errors import ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
 from shared.model.fingerprint import weights_fingerprint
-from shared.worker import TorchWorker
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 from shared.model.prompt import PromptFormat
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import PROTOCOL_VERSION
+from shared.worker import TorchWorker
 
 
 @dataclass

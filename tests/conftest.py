@@ -9,9 +9,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture(scope="session")
 def real_assets():
     """The prepared SmolLM2 pair and data (``scd assets``); skips with the command to run if absent."""
-    from shared import data
-    from shared.assets import registry
-    from shared.assets.models import PAIRS, consumer_dir, is_ready, producer_dir
+    from tools import data
+    from tools.assets import registry
+    from tools.assets.models import PAIRS, consumer_dir, is_ready, producer_dir
 
     missing = [p for p in [producer_dir(), *(consumer_dir(x) for x in PAIRS)] if not is_ready(p)]
     if missing or not data.is_ready() or any(p not in registry.names() for p in PAIRS):
@@ -21,7 +21,7 @@ def real_assets():
 
 @pytest.fixture(scope="session")
 def tokenizer(real_assets):
-    from shared.assets.models import load_tokenizer
+    from tools.assets.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -45,7 +45,7 @@ def tiny_pair():
 @pytest.fixture(scope="session")
 def tiny_artifacts(tiny_pair, tmp_path_factory):
     """Calibrated SCD artifacts for the tiny pair (the real pipeline, small settings)."""
-    from shared.calibration.pipeline import CalibrationSettings, calibrate
+    from tools.calibration.pipeline import CalibrationSettings, calibrate
 
     producer, consumer = tiny_pair
     g = torch.Generator().manual_seed(11)
@@ -62,7 +62,7 @@ def tiny_artifacts(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_droidspeak(tiny_pair):
     """DroidSpeak's recompute blocks profiled on the tiny pair (the real profiler, small settings)."""
-    from shared.calibration.droidspeak import profile
+    from tools.calibration.droidspeak import profile
 
     producer, consumer = tiny_pair
     g = torch.Generator().manual_seed(12)
@@ -73,7 +73,7 @@ def tiny_droidspeak(tiny_pair):
 @pytest.fixture(scope="session")
 def tiny_spectrum(tiny_pair):
     """SpectrumKV's int4 probe run on the tiny pair (the real probe)."""
-    from shared.calibration.spectrum import probe
+    from tools.calibration.spectrum import probe
 
     producer, consumer = tiny_pair
     g = torch.Generator().manual_seed(13)
@@ -84,7 +84,7 @@ def tiny_spectrum(tiny_pair):
 @pytest.fixture(scope="session")
 def tiny_ridge(tiny_pair):
     """The cross-model ridge maps calibrated on the tiny pair (the real calibration, small grid)."""
-    from shared.calibration.ridge import calibrate
+    from tools.calibration.ridge import calibrate
 
     producer, consumer = tiny_pair
     g = torch.Generator().manual_seed(14)

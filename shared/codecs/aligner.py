@@ -1,6 +1,6 @@
 """The PATCH aligner: a small MLP from a producer hidden-state code to the consumer's own
 normalized pre-attention input. Lives with the codecs because the consumer runs it online;
-calibration trains it (``shared/calibration/aligner.py``)."""
+calibration trains it (``tools/calibration/aligner.py``)."""
 
 from __future__ import annotations
 

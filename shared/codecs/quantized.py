@@ -15,8 +15,6 @@ from shared.errors import InvalidPayload
 from shared.model.hf_adapter import from_rows, to_rows
 
 
-
-
 class QuantSession(DecodeSession):
     def decode_layer(self, layer, tensors):
         return self.method.decode_tensors(layer, tensors, self.job.n_transfer)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+import torch
+
 from shared.codecs.base import MethodConfig, TransferMethod
 from shared.codecs.raw import RawSession
 from shared.errors import ConfigError
@@ -33,7 +35,14 @@ class RidgeMap(TransferMethod):
             raise ConfigError(f"the ridge profile does not cover the model's {n} layers: recalibrate the pair")
 
     def encode_layer(self, state, layer, start):
-        from shared.calibration.ridge import apply
-
         k, v = apply(self.maps, state.keys, state.values, layer, start, self.ctx.model.head_dim)
         return {"k": k.half(), "v": v.half()}
+
+
+def apply(tensors: dict[str, torch.Tensor], keys, values, layer: int, start: int, head_dim: int):
+    """The mapped pre-RoPE K/V [1, H, T-start, D] of ``layer`` from the producer's K/V of every layer."""
+    src = tensors[f"src.{layer}"].tolist()
+    x = torch.cat([torch.cat([keys[s][0, :, start:], values[s][0, :, start:]], -1) for s in src], -1).float()
+    w, b = tensors[f"w.{layer}"], tensors[f"b.{layer}"]
+    y = torch.baddbmm(b.to(x.device).unsqueeze(1), x, w.to(x.device, torch.float32))  # [H, T, 2D]
+    return y[..., :head_dim].unsqueeze(0), y[..., head_dim:].unsqueeze(0)

@@ -14,9 +14,9 @@ from consumer_service.engine import ConsumerEngine
 from consumer_service.settings import ConsumerSettings
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
-from shared import client
 from shared.model.tiny import perturbed, tiny_model
-from shared.rpc.inprocess import InProcessServices
+from tools import client
+from tools.inprocess import InProcessServices
 
 PROMPT = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(9)).tolist()
 
@@ -100,12 +100,12 @@ def tiny_dirs(tmp_path_factory):
 
 def _bench_cmd(tiny_dirs, tmp_path, *extra):
     p, c = tiny_dirs
-    return [sys.executable, "-m", "shared.cli", "bench", "--producer-model", p, "--consumer-model", c, "--pair", "tiny",
+    return [sys.executable, "-m", "tools.cli", "bench", "--producer-model", p, "--consumer-model", c, "--pair", "tiny",
             "--store", str(tmp_path / "store"), "--threads", "1", *extra]
 
 
 def _left(pid: int) -> list[str]:
-    from shared.bench.netns import namespaces
+    from tools.bench.netns import namespaces
 
     return [n for n in namespaces() if n.endswith(f"-{pid}")]
 
@@ -166,7 +166,7 @@ def test_bench_cleans_up_on_signal(tiny_dirs, tmp_path, sig):
 
 
 def test_bench_refuses_without_privileges(monkeypatch):
-    from shared.bench import netns
+    from tools.bench import netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(netns.BenchError, match="needs root"):

@@ -21,7 +21,8 @@ import pytest
 import torch
 from ops_support import VENV_BIN, wait_for
 
-from shared.demo import free_port
+from tools.demo import free_port
+
 
 def scd(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
     r = subprocess.run([str(VENV_BIN / "scd"), *args], env=env, capture_output=True, text=True, timeout=timeout)
@@ -65,7 +66,7 @@ def serve_and_generate(pair: str, prompt: str, env: dict, tmp: Path) -> str:
 def byo_pair(real_assets, tmp_path_factory):
     """A fine-tune the project did not build (a LoRA fit on stdlib docstrings, merged into a folder)
     and an operator's JSONL of questions about other modules' documentation."""
-    from shared.assets.example_pair import make
+    from tools.assets.example_pair import make
 
     return make(tmp_path_factory.mktemp("byo"), steps=int(os.environ.get("BYO_STEPS", 12)), n_prompts=40,
                 prompt_tokens=400)

@@ -12,15 +12,15 @@ from consumer_service.engine import ConsumerEngine
 from consumer_service.settings import ConsumerSettings
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
-from shared import client
 from shared.artifacts import store
 from shared.codecs import CODECS, CodecContext
 from shared.codecs.scd import PairArtifacts
-from shared.eval.harness import Context, codec_method, oracle
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter, clone_cache
 from shared.model.tiny import FAMILIES, perturbed, tiny_model
-from shared.rpc.inprocess import InProcessServices
+from tools import client
+from tools.eval.harness import Context, codec_method, oracle
+from tools.inprocess import InProcessServices
 
 METHODS = sorted(CODECS)
 PROMPT = random_prompts(1, 45, 99)[0]
@@ -38,7 +38,7 @@ def _contexts(producer: ModelAdapter, consumer: ModelAdapter, name: str, store_d
 
 def _in_process(kind, producer, consumer, pctx, cctx):
     """The method run in process exactly as the evaluation harness runs it: (greedy tokens, cache)."""
-    from shared.data import Item
+    from tools.data import Item
 
     item = Item(id="p", kind="user", prompt_ids=PROMPT, prefix_len=0)
     run = oracle if kind == "oracle" else codec_method(kind, pctx, cctx)
@@ -83,7 +83,7 @@ def test_every_method_through_the_services(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_raw_float32_between_identical_weights_is_exact(family):
-    from shared.data import Item
+    from tools.data import Item
 
     a = ModelAdapter(tiny_model(family, n_layers=3, sliding_window=16 if family == "gemma2" else None))
     ctx = CodecContext(a)

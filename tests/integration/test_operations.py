@@ -6,7 +6,6 @@ and a consumer-level fuzz test. Every wait is a bounded poll; nothing asserts a 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import signal
 import struct
 import subprocess
@@ -21,19 +20,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ops_support import VENV_BIN, env, save_tiny, self_signed, tiny_tokenizer, wait_for
 
 from consumer_service.engine import ConsumerEngine
 from consumer_service.settings import ConsumerSettings
-from ops_support import VENV_BIN, env, save_tiny, self_signed, tiny_tokenizer, wait_for
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
-from shared import client
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.tiny import perturbed, tiny_model
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
-from shared.rpc.inprocess import InProcessServices
 from shared.rpc.wire import PROTOCOL_VERSION, StreamTotals, layer_frames
+from tools import client
+from tools.inprocess import InProcessServices
 
 TOKEN = "t0ken-for-tests"
 MD = (("authorization", f"Bearer {TOKEN}"),)

@@ -3,12 +3,12 @@ identical models, and the strong consumer really drifts."""
 
 import pytest
 
-from shared import data
-from shared.assets.models import consumer_dir, load_model, producer_dir
-from shared.eval.harness import evaluate, oracle, raw
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.prompt import PromptFormat
+from tools import data
+from tools.assets.models import consumer_dir, load_model, producer_dir
+from tools.eval.harness import evaluate, oracle, raw
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from consumer_service.engine import ConsumerEngine
 from consumer_service.settings import ConsumerSettings
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
-from shared import client
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.tiny import perturbed, tiny_model
-from shared.rpc.inprocess import InProcessServices
+from tools import client
+from tools.inprocess import InProcessServices
 
 PROMPT = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 

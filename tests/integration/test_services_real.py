@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared import client, data
+from tools import client, data
 
 
 @pytest.fixture(scope="module")
@@ -11,8 +11,8 @@ def services(real_assets, tokenizer):
     from consumer_service.settings import ConsumerSettings
     from producer_service.engine import ProducerEngine
     from producer_service.settings import ProducerSettings
-    from shared.assets.models import consumer_dir, load_model, producer_dir
-    from shared.rpc.inprocess import InProcessServices
+    from tools.assets.models import consumer_dir, load_model, producer_dir
+    from tools.inprocess import InProcessServices
 
     base = load_model(producer_dir())
     from shared.paths import STORE_DIR
@@ -39,8 +39,8 @@ def test_text_prompt_streams_an_answer(services):
 
 
 def test_native_prefix_cuts_the_payload_and_oracle_matches_local(services, tokenizer):
-    from shared.assets.models import consumer_dir, load_model
     from shared.model.hf_adapter import ModelAdapter
+    from tools.assets.models import consumer_dir, load_model
 
     item = data.load("qa", "test", 1)[0]
     on = client.generate(services.producer_address, client.request(item.prompt_ids, "strong", "raw", max_new_tokens=4))

@@ -23,11 +23,11 @@ def calibrate_all(producer: ModelAdapter, consumer: ModelAdapter, name: str, sto
     """Calibrate SCD (with a 2-layer PATCH block and one PATCH layer) and profile droidspeak,
     spectrum and ridge for the pair into ``store_dir``; returns the store."""
     from shared.artifacts import store
-    from shared.calibration.droidspeak import profile
-    from shared.calibration.pipeline import CalibrationSettings, calibrate
-    from shared.calibration.ridge import calibrate as fit_ridge
-    from shared.calibration.spectrum import probe
     from shared.model.fingerprint import weights_fingerprint
+    from tools.calibration.droidspeak import profile
+    from tools.calibration.pipeline import CalibrationSettings, calibrate
+    from tools.calibration.ridge import calibrate as fit_ridge
+    from tools.calibration.spectrum import probe
 
     store_dir = Path(store_dir)
     cal = cal or random_prompts(12, 40, 11)

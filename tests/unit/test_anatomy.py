@@ -4,7 +4,7 @@ projections: the probes must find the drift exactly there."""
 import pytest
 import torch
 
-from shared.eval import anatomy
+from tools.eval import anatomy
 
 
 def test_anatomy_locates_the_drift_of_the_tiny_pair(tiny_pair):

@@ -1,15 +1,14 @@
 """Artifacts round-trip and refuse tampering; selection finds a planted sensitive layer."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from shared.artifacts import store
 from shared.artifacts.meta import ArtifactMeta
-from shared.calibration.selection import greedy, restore_one
 from shared.errors import DataLoss, FingerprintMismatch, NotFound
+from tools.calibration.selection import greedy, restore_one
 
 
 def _meta(**kw):

@@ -1,7 +1,7 @@
 import torch
 
-from shared.calibration.aligner import train_aligner
 from shared.codecs.aligner import Aligner
+from tools.calibration.aligner import train_aligner
 
 
 def test_aligner_overfits_a_small_batch():

@@ -1,6 +1,6 @@
 import torch
 
-from shared.calibration.linalg import Moments, fit_reuse, pca, ridge, top_eig
+from tools.calibration.linalg import Moments, fit_reuse, pca, ridge, top_eig
 
 
 def test_ridge_recovers_a_planted_map():

@@ -207,7 +207,7 @@ def test_ridge_calibration_reduces_validation_kl_and_maps_from_top_k_layers(tiny
 def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
     """A consumer whose layer-3 V is an exact linear function of the producer's layer-3 K/V per head
     is mapped almost exactly."""
-    from shared.calibration import ridge
+    from tools.calibration import ridge
 
     producer, _ = tiny_pair
     L, H, D = producer.n_layers, producer.n_kv_heads, producer.head_dim
@@ -238,7 +238,7 @@ def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
 def _calibrate_tiny_joint(tiny_pair, tmp_path, seed, **settings):
     """The real pipeline on the tiny pair with the joint code and small settings: (prompts, val, cfg,
     folder, report)."""
-    from shared.calibration.pipeline import CalibrationSettings, calibrate
+    from tools.calibration.pipeline import CalibrationSettings, calibrate
 
     producer, consumer = tiny_pair
     g = torch.Generator().manual_seed(seed)
@@ -252,7 +252,7 @@ def _calibrate_tiny_joint(tiny_pair, tmp_path, seed, **settings):
 
 def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path):
     """The joint [K | V] REUSE code (the default of `scd calibrate`): written, loaded, served."""
-    from shared.calibration.pipeline import calibrate
+    from tools.calibration.pipeline import calibrate
 
     producer, consumer = tiny_pair
     prompts, val, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 15, block_layers=0)
@@ -278,7 +278,7 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
 def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair, tmp_path):
     """A PATCH block: calibration slides it over the depth and keeps the best; the producer sends the
     entry residual state once (int8), the consumer's own layers give the block's K/V."""
-    from shared.calibration.pipeline import calibrate
+    from tools.calibration.pipeline import calibrate
 
     producer, consumer = tiny_pair
     prompts, val, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 16, block_layers=2,

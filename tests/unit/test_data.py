@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from shared import data
 from shared.paths import data_dir
+from tools import data
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def test_manifest_hashes_match_and_tampering_is_refused(real_assets, tmp_path):
 
 
 def test_operator_prompts_file(tmp_path, tokenizer):
-    from shared.data import user
     from shared.model.prompt import PromptFormat
+    from tools.data import user
 
     fmt = PromptFormat(tokenizer)
     f = tmp_path / "p.jsonl"

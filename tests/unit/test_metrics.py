@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from shared.eval.metrics import kl_top1, normalize, rel_err, token_f1
+from tools.eval.metrics import kl_top1, normalize, rel_err, token_f1
 
 
 def test_token_f1_squad_normalization():

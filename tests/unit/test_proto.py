@@ -22,7 +22,7 @@ def test_generated_stubs_are_fresh(tmp_path):
 
 def test_services_do_not_import_offline_code():
     code = ("import sys, producer_service.servicer, consumer_service.servicer, producer_service.server, "
-            "consumer_service.server; bad=[m for m in sys.modules if m.startswith(('shared.calibration', "
-            "'shared.eval'))]; print(bad); sys.exit(1 if bad else 0)")
+            "consumer_service.server; bad=[m for m in sys.modules if m.startswith(('tools.calibration', "
+            "'tools.eval'))]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

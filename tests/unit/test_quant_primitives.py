@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, quantize_rows, dequantize_rows, unpack4
+from shared.codecs.quant import dequantize_groups, dequantize_rows, pack4, quantize_groups, quantize_rows, unpack4
 
 
 def test_pack4_round_trip():

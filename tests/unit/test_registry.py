@@ -8,10 +8,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from shared.assets import registry
-from shared.cli import app
 from shared.errors import SCDError
 from shared.model.tiny import perturbed, save_pretrained, tiny_config, tiny_model, tiny_tokenizer
+from tools.assets import registry
+from tools.cli import app
 
 
 @pytest.fixture()

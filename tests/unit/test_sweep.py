@@ -1,6 +1,6 @@
 import json
 
-from shared.eval import sweep
+from tools.eval import sweep
 
 
 def test_pareto_frontier():

@@ -1,3 +1,0 @@
-from shared.cli import main
-
-main()

@@ -1,0 +1,347 @@
+"""``scd bench``: time to first token through the real services over a real, rate-limited link.
+
+For each link rate, prompt length and method, real requests go through the producer's client API
+(``tools.client``); every number comes from the services' own Timings of those requests:
+
+- **warm**: the same prompt, already prefilled once by the producer (its prefill cache holds the
+  state: one base prefill serving many consumers); the producer only encodes and streams.
+- **cold**: a prompt the producer has never seen (distinct per request): prefill, then stream.
+- **no pipelining**: the warm request with ``no_pipelining``: the producer encodes every layer before
+  sending a frame, and the consumer reconstructs only after the trailer (same payload, same link).
+
+The Oracle sends token ids only and the consumer prefills itself, so its warm and cold are the same
+requests. TTFT is the producer's (request received -> first token relayed); the client's is kept too.
+The floor of a method is ``wire bytes * 8 / link rate + one consumer decode step`` (the decode step
+measured in the same requests: the first and only decode step after the cache is ready, from
+Timings.decode_tokens_per_s with max_new_tokens=1; the median over every request at that prompt
+length).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.bench.netns import BenchError, Testbed, check_privileges
+from tools.bench.services import REPO, Services, ServiceSpec
+
+log = logging.getLogger(__name__)
+
+TARGET_SPEEDUP = 2.65
+TARGET_FLOOR_RATIO = 1.5
+TARGET_GOODPUT_SHARE = 0.8
+
+
+@dataclass
+class BenchConfig:
+    methods: tuple[str, ...] = ("oracle", "raw", "quant", "spectrum", "droidspeak", "ridge", "scd-reuse", "scd")
+    bandwidths_mbit: tuple[float, ...] = (100.0, 1000.0, 10000.0)
+    tokens: tuple[int, ...] = (500, 1000, 2000)
+    repeats: int = 5
+    delay_ms: float = 0.0
+    pair: str = "strong"
+    pipelining: bool = True
+    threads: int = max(1, (os.cpu_count() or 2) // 2)
+    producer_model: str | None = None  # default: the prepared producer
+    consumer_model: str | None = None  # default: the prepared consumer of ``pair``
+    store: str | None = None  # default: the repo's artifact store
+    kl_json: str | None = None  # default: results/eval_all_<pair>_on.json when it exists
+    device: str = "cpu"
+    dtype: str = "float32"
+    argv: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------- prompts
+class Prompts:
+    """Deterministic prompts of exactly N tokens. With a tokenizer: the chat-template prefix, then text
+    of the test split's QA passages, then the template's closing tail (so the native prefix applies).
+    Without one (tiny test models): seeded random ids. Offset 0 is the warm prompt of each length; every
+    cold prompt starts elsewhere in the pool."""
+
+    def __init__(self, tokenizer=None, vocab: int = 256):
+        self._k = 0
+        if tokenizer is None:
+            import torch
+
+            self.prefix, self.tail, self.native_prefix = [], [], False
+            self.pool = torch.randint(0, vocab, (200_000,), generator=torch.Generator().manual_seed(0)).tolist()
+            return
+        from shared.model.prompt import PromptFormat
+        from tools import data
+
+        fmt = PromptFormat(tokenizer)
+        self.prefix = fmt.prefix_ids
+        self.tail = fmt._ids(fmt.tail) if fmt.chat else []
+        self.native_prefix = bool(self.prefix)
+        pool = []
+        for it in data.load("qa", "test", fmt=fmt):
+            body = it.prompt_ids[it.prefix_len:]
+            if self.tail and body[-len(self.tail):] == self.tail:
+                body = body[: -len(self.tail)]
+            pool.extend(body)
+        self.pool = pool
+
+    def get(self, n: int, offset: int = 0) -> list[int]:
+        m = n - len(self.prefix) - len(self.tail)
+        if m < 1 or m >= len(self.pool):
+            raise BenchError(f"cannot build a {n}-token prompt (template {len(self.prefix) + len(self.tail)} tokens, "
+                             f"text pool {len(self.pool)} tokens)")
+        o = offset % (len(self.pool) - m)
+        return self.prefix + self.pool[o : o + m] + self.tail
+
+    def cold(self, n: int) -> list[int]:
+        self._k += 1
+        return self.get(n, 1 + self._k * 7919)
+
+
+# ---------------------------------------------------------------------------------------- requests
+def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix: bool, no_pipelining: bool) -> dict:
+    from tools import client
+
+    req = client.request(ids, consumer, method, max_new_tokens=1, native_prefix=native_prefix)
+    req.no_pipelining = no_pipelining
+    r = client.generate(address, req, timeout=600)
+    t = r.timings
+    if t is None:
+        raise BenchError(f"{method}: the final token event carried no timings")
+    return dict(
+        ttft_ms=t.ttft_ms, client_ttft_ms=r.client_ttft_ms, prefill_ms=t.prefill_ms, encode_ms=t.encode_ms,
+        wire_bytes=t.wire_bytes, payload_bytes=t.payload_bytes, reconstruct_ms=t.reconstruct_ms,
+        transfer_ms=t.transfer_ms, tail_ms=t.last_frame_to_first_token_ms,
+        decode_step_ms=1e3 / t.decode_tokens_per_s if t.decode_tokens_per_s > 0 else float("nan"),
+        prompt_tokens=t.prompt_tokens, fallback=bool(t.fallback_recompute),
+    )
+
+
+def _median(xs):
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else None
+
+
+def _p90(xs):
+    xs = sorted(x for x in xs if x == x)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
+def _stats(runs: list[dict]) -> dict | None:
+    if not runs:
+        return None
+    out = {k: _median([r[k] for r in runs]) for k in ("ttft_ms", "client_ttft_ms", "prefill_ms", "encode_ms",
+                                                      "transfer_ms", "reconstruct_ms", "tail_ms", "decode_step_ms")}
+    out["ttft_p90_ms"] = _p90([r["ttft_ms"] for r in runs])
+    out["n"] = len(runs)
+    out["fallbacks"] = sum(r["fallback"] for r in runs)
+    gp = [r["wire_bytes"] * 8 / (r["transfer_ms"] * 1e3) for r in runs if r["transfer_ms"] > 0 and r["wire_bytes"]]
+    out["goodput_mbit"] = _median(gp)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the run
+def _models(cfg: BenchConfig):
+    """(producer folder, consumer folder, consumer adapter, tokenizer, store) of the bench: the
+    registered pair's, unless the config names folders."""
+    from shared.model.loading import load_tokenizer
+    from tools.assets import registry
+
+    e = registry.load().pairs.get(cfg.pair)
+    if e is None and not (cfg.producer_model and cfg.consumer_model):
+        raise BenchError(f"unknown pair {cfg.pair!r} (registered: {registry.names() or 'none'}): run `scd assets`, "
+                         "`scd pair add`, or give --producer-model and --consumer-model")
+    pm = cfg.producer_model or e.producer
+    cm, adapter = (cfg.consumer_model, None) if cfg.consumer_model else e.consumer_model()
+    tok = load_tokenizer(Path(e.tokenizer if e else pm), required=False)
+    store = cfg.store or (e.store if e else str(registry.default_store(builtin=True)))
+    return pm, cm, adapter, tok, store
+
+
+def _vocab(path: str) -> int:
+    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+
+
+def _git() -> dict:
+    def run(*a):
+        r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+
+
+def run(cfg: BenchConfig, progress: bool = True) -> dict:
+    check_privileges()
+    from shared.codecs import CODECS
+
+    unknown = [m for m in cfg.methods if m not in CODECS]
+    if unknown:
+        raise BenchError(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
+    if not cfg.methods or not cfg.bandwidths_mbit or not cfg.tokens or cfg.repeats < 1:
+        raise BenchError("need at least one method, bandwidth, prompt length and repeat")
+    pm, cm, adapter, tok, store = _models(cfg)
+    prompts = Prompts(tok, _vocab(pm))
+    name = cfg.pair
+    transfer = [m for m in cfg.methods if CODECS[m].transfers_layers]
+    per_cell = {m: 1 + cfg.repeats if m not in transfer else
+                (2 + 3 * cfg.repeats if cfg.pipelining else 1 + 2 * cfg.repeats) for m in cfg.methods}
+    total = len(cfg.bandwidths_mbit) * len(cfg.tokens) * sum(per_cell.values()) + len(cfg.methods)
+    t_start = time.perf_counter()
+    raw: list[dict] = []
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory(prefix="scd-bench-") as logs, Testbed(cfg.bandwidths_mbit[0], cfg.delay_ms) as tb:
+        svc = Services(tb, ServiceSpec(name, pm, cm, store, tuple(cfg.methods), cfg.threads, consumer_adapter=adapter,
+                                       prefill_cache_entries=2 * len(cfg.methods) + 2, device=cfg.device,
+                                       dtype=cfg.dtype), Path(logs))
+        svc.start()
+        addr = svc.producer_address
+        qdisc_log = {}
+        with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar:
+            for m in cfg.methods:  # one request per method: the whole path works, code paths are warm
+                _request(svc, addr, prompts.get(min(cfg.tokens)), name, m, prompts.native_prefix, False)
+                bar.update()
+            for bw in cfg.bandwidths_mbit:
+                tb.set_rate(bw)
+                qdisc_log[f"{bw:g}"] = tb.qdiscs()
+                for n in cfg.tokens:
+                    warm_ids = prompts.get(n, 0)
+                    cells = {m: dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[]) for m in cfg.methods}
+
+                    def req(m, ids, nopipe=False):
+                        bar.set_postfix_str(f"{bw:g} Mbit/s, {n} tok, {m}")
+                        r = _request(svc, addr, ids, name, m, prompts.native_prefix, nopipe)
+                        bar.update()
+                        return r
+
+                    for m in cfg.methods:  # warm-up; fills the producer's prefill cache with this prompt
+                        req(m, warm_ids)
+                        if m in transfer and cfg.pipelining:
+                            req(m, warm_ids, True)
+                    for _ in range(cfg.repeats):  # interleaved, so drifting load hits every method and variant alike
+                        for m in cfg.methods:
+                            cells[m]["warm"].append(req(m, warm_ids))
+                            if m in transfer:
+                                cells[m]["cold"].append(req(m, prompts.cold(n)))
+                                if cfg.pipelining:
+                                    cells[m]["nopipe"].append(req(m, warm_ids, True))
+                    for m, cell in cells.items():
+                        if m not in transfer:  # the Oracle: no producer prefill, warm == cold
+                            cell["cold"] = cell["warm"]
+                        raw.append(cell)
+    res = summarize(cfg, raw)
+    res["config"].update(qdiscs=qdisc_log, seconds=round(time.perf_counter() - t_start, 1))
+    return res
+
+
+def _request(svc: Services, addr, ids, name, m, native_prefix, nopipe) -> dict:
+    import grpc
+
+    try:
+        return _one(addr, ids, name, m, native_prefix, nopipe)
+    except grpc.RpcError as e:
+        svc.check_alive()
+        raise BenchError(f"{m}: request failed: {e.code().name}: {e.details()}\n{svc.tail('producer', 10)}\n"
+                         f"{svc.tail('consumer', 10)}") from None
+
+
+# ---------------------------------------------------------------------------------------- summary
+def _closest(values, target):
+    return min(values, key=lambda v: (abs(v - target), v))
+
+
+def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
+    path = Path(cfg.kl_json) if cfg.kl_json else REPO / "results" / f"eval_all_{cfg.pair}_on.json"
+    if not path.exists():
+        return {}, None
+    try:
+        return {m: r["kl"] for m, r in json.loads(path.read_text())["methods"].items() if "kl" in r}, str(path)
+    except (ValueError, KeyError, TypeError):
+        return {}, None
+
+
+def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
+    step = {}  # prompt length -> median decode step over every request at that length
+    for n in cfg.tokens:
+        step[n] = _median([r["decode_step_ms"] for c in cells if c["tokens"] == n
+                           for r in c["warm"] + c["cold"] + c["nopipe"]])
+    rows = []
+    for c in cells:
+        warm, cold, nopipe = _stats(c["warm"]), _stats(c["cold"]), _stats(c["nopipe"])
+        wire = _median([r["wire_bytes"] for r in c["warm"]])
+        floor = wire * 8 / (c["link_mbit"] * 1e3) + (step[c["tokens"]] or 0.0)
+        row = dict(
+            link_mbit=c["link_mbit"], tokens=c["tokens"], method=c["method"],
+            prompt_tokens=c["warm"][0]["prompt_tokens"], bytes=int(wire),
+            payload_bytes=int(_median([r["payload_bytes"] for r in c["warm"]])),
+            decode_step_ms=step[c["tokens"]], floor_ms=floor,
+            warm=warm, cold=cold, nopipe=nopipe,
+            warm_ttft_ms=warm["ttft_ms"], warm_ttft_p90_ms=warm["ttft_p90_ms"],
+            cold_ttft_ms=cold["ttft_ms"], cold_ttft_p90_ms=cold["ttft_p90_ms"],
+            warm_floor_ratio=warm["ttft_ms"] / floor, cold_floor_ratio=cold["ttft_ms"] / floor,
+            warm_prefill_ms=warm["prefill_ms"], cold_prefill_ms=cold["prefill_ms"],
+            nopipe_ttft_ms=nopipe["ttft_ms"] if nopipe else None,
+            pipelining_gain=nopipe["ttft_ms"] / warm["ttft_ms"] if nopipe else None,
+            goodput_mbit=(nopipe or warm)["goodput_mbit"], goodput_pipelined_mbit=warm["goodput_mbit"],
+        )
+        row["goodput_share"] = row["goodput_mbit"] / c["link_mbit"] if row["goodput_mbit"] else None
+        rows.append(row)
+    by = {(r["link_mbit"], r["tokens"], r["method"]): r for r in rows}
+    for r in rows:
+        o = by.get((r["link_mbit"], r["tokens"], "oracle"))
+        r["warm_speedup_vs_oracle"] = o["warm_ttft_ms"] / r["warm_ttft_ms"] if o else None
+        r["cold_speedup_vs_oracle"] = o["cold_ttft_ms"] / r["cold_ttft_ms"] if o else None
+    bw0, n0 = _closest(cfg.bandwidths_mbit, 1000.0), _closest(cfg.tokens, 1000)
+    keys = ("link_mbit", "tokens", "prompt_tokens", "warm_ttft_ms", "warm_ttft_p90_ms", "cold_ttft_ms",
+            "cold_ttft_p90_ms", "bytes", "floor_ms", "warm_floor_ratio", "cold_floor_ratio", "nopipe_ttft_ms",
+            "pipelining_gain", "goodput_mbit", "warm_speedup_vs_oracle", "cold_speedup_vs_oracle")
+    methods = {m: {k: by[(bw0, n0, m)][k] for k in keys} for m in cfg.methods}
+    kl, kl_src = _kl(cfg)
+    for m, v in methods.items():
+        v["kl"] = kl.get(m)
+    return {
+        "config": dict(methods=list(cfg.methods), bandwidths_mbit=list(cfg.bandwidths_mbit), tokens=list(cfg.tokens),
+                       repeats=cfg.repeats, delay_ms=cfg.delay_ms, pair=cfg.pair, threads_per_service=cfg.threads,
+                       device=cfg.device, dtype=cfg.dtype, cpus=os.cpu_count(), kernel=platform.release(),
+                       argv=cfg.argv, kl_source=kl_src, time=time.time(), **_git()),
+        "decode_step_ms": {str(n): v for n, v in step.items()},
+        "headline": {"link_mbit": bw0, "tokens": n0},
+        "methods": methods,
+        "targets": targets(cfg, by, kl, bw0, n0),
+        "rows": rows,
+    }
+
+
+def targets(cfg: BenchConfig, by: dict, kl: dict, bw0: float, n0: int) -> dict:
+    out = {}
+    scd, oracle = by.get((bw0, n0, "scd")), by.get((bw0, n0, "oracle"))
+    if scd and oracle:
+        s = oracle["warm_ttft_ms"] / scd["warm_ttft_ms"]
+        out["warm_speedup_scd_vs_oracle"] = dict(link_mbit=bw0, tokens=n0, value=s, threshold=TARGET_SPEEDUP,
+                                                 met=s >= TARGET_SPEEDUP)
+    if scd and "scd" in kl:
+        rivals = {m: by[(bw0, n0, m)]["warm_ttft_ms"] for m in cfg.methods
+                  if m != "scd" and m in kl and kl[m] <= kl["scd"]}
+        out["scd_fastest_at_its_quality"] = dict(
+            link_mbit=bw0, tokens=n0, scd_ms=scd["warm_ttft_ms"], rivals_ms=rivals,
+            unknown_kl=[m for m in cfg.methods if m not in kl], met=all(scd["warm_ttft_ms"] < v for v in rivals.values()))
+    for bw in (100.0, 1000.0):
+        r = by.get((bw, n0, "scd"))
+        if r:
+            out[f"scd_floor_ratio_{bw:g}mbit"] = dict(tokens=n0, value=r["warm_floor_ratio"],
+                                                       cold_value=r["cold_floor_ratio"], threshold=TARGET_FLOOR_RATIO,
+                                                       met=r["warm_floor_ratio"] <= TARGET_FLOOR_RATIO)
+    r = by.get((100.0, n0, "raw"))
+    if r and r["goodput_share"] is not None:
+        out["raw_goodput_100mbit"] = dict(tokens=n0, goodput_mbit=r["goodput_mbit"], value=r["goodput_share"],
+                                          pipelined_mbit=r["goodput_pipelined_mbit"], threshold=TARGET_GOODPUT_SHARE,
+                                          met=r["goodput_share"] >= TARGET_GOODPUT_SHARE)
+    return out

@@ -1,0 +1,96 @@
+"""``scd bench`` (TTFT over a rate-limited link between two network namespaces) and ``scd bench-overlap``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tools.cli.app import app
+from tools.cli.common import fail, setup_logging
+
+
+@app.command("bench-overlap")
+def bench_overlap(
+    pair: str = typer.Option("strong", help="A registered pair."),
+    tokens: int = typer.Option(1000, help="Prompt length in tokens."),
+    methods: str = typer.Option("raw"),
+    iters: int = typer.Option(3),
+    tiny: bool = typer.Option(False, help="Tiny random models (smoke test)."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
+    from tools.eval import overlap
+
+    res = overlap.run(pair, tokens, tuple(methods.split(",")), iters, tiny)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+
+
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, help="1 Gbit/s, one ~1,000-token prompt, methods oracle,raw,scd, 3 repeats."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full results here."),
+    png_out: Optional[Path] = typer.Option(None, "--png", help="TTFT vs link rate plot (default: beside --json)."),
+    methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: oracle,raw,quant,spectrum,"
+                                                     "droidspeak,ridge,scd-reuse,scd)."),
+    bandwidths: Optional[str] = typer.Option(None, help="Link rates in Mbit/s, comma-separated (default 100,1000,10000)."),
+    tokens: Optional[str] = typer.Option(None, help="Prompt lengths in tokens (default 500,1000,2000)."),
+    repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; --quick 3)."),
+    delay_ms: float = typer.Option(0.0, help="One-way delay added on each direction of the link (needs netem)."),
+    pair: str = typer.Option("strong", help="A registered pair (its models and artifact store)."),
+    pipelining: bool = typer.Option(True, "--pipelining-comparison/--no-pipelining-comparison",
+                                    help="Also time send-everything-then-reconstruct on the same link."),
+    threads: Optional[int] = typer.Option(None, min=1, help="CPU threads per service (default: half the cores each)."),
+    producer_model: Optional[str] = typer.Option(None, help="Producer model folder (default: the prepared one)."),
+    consumer_model: Optional[str] = typer.Option(None, help="Consumer model folder (default: pair's prepared one)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default: the repo's artifacts/store)."),
+    kl_json: Optional[str] = typer.Option(None, help="scd eval JSON with each method's KL, for the quality-aware "
+                                                     "target (default: results/eval_all_PAIR_on.json)."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Benchmark: TTFT of every method through the real services, producer and consumer in two network
+    namespaces joined by a rate-limited veth link (needs root). A table, a JSON file, a PNG, a JSON line."""
+    setup_logging(verbose)
+    from tools.bench import report
+    from tools.bench.netns import BenchError
+    from tools.bench.runner import BenchConfig, run
+
+    def floats(s):
+        try:
+            return tuple(float(x) for x in s.split(",") if x)
+        except ValueError:
+            raise typer.BadParameter(f"expected comma-separated numbers, got {s!r}") from None
+
+    cfg = BenchConfig(argv=sys.argv[1:], delay_ms=delay_ms, pair=pair, pipelining=pipelining,
+                      producer_model=producer_model, consumer_model=consumer_model, store=store, kl_json=kl_json,
+                      device=device, dtype=dtype)
+    if quick:
+        cfg.methods, cfg.bandwidths_mbit, cfg.tokens, cfg.repeats = ("oracle", "raw", "scd"), (1000.0,), (1000,), 3
+    if methods:
+        cfg.methods = tuple(m for m in methods.split(",") if m)
+    if bandwidths:
+        cfg.bandwidths_mbit = floats(bandwidths)
+    if tokens:
+        cfg.tokens = tuple(int(x) for x in floats(tokens))
+    if repeats:
+        cfg.repeats = repeats
+    if threads:
+        cfg.threads = threads
+    try:
+        res = run(cfg)
+    except BenchError as e:
+        fail(str(e))
+    typer.echo(report.table(res))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    png_out = png_out or (json_out.with_suffix(".png") if json_out else None)
+    if png_out:
+        typer.echo(f"plot: {report.png(res, png_out)}", err=True)
+    print(report.final_line(res, json_out))

@@ -1,0 +1,121 @@
+"""``scd calibrate``: SCD's artifacts, or a baseline's profile, for a registered pair."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tools.cli.app import app
+from tools.cli.common import (
+    calibration_prompts,
+    check_data,
+    fail,
+    pair_models,
+    parse_set,
+    setup_logging,
+    validation_prompts,
+)
+
+METHODS = ("scd", "droidspeak", "ridge", "spectrum")
+
+
+@app.command()
+def calibrate(
+    pair: str = typer.Option("strong", help="A registered pair (scd pair list)."),
+    out: Optional[Path] = typer.Option(None, help="Artifact store directory (default: the pair's store)."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL): the calibration split fits, "
+                                                                  "the validation split selects."),
+    set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_kv=192 (repeatable)."),
+    method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts), droidspeak (recompute blocks), ridge "
+                                          "(cross-model maps) or spectrum (int4 probe)."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
+) -> None:
+    """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store, or
+    profile a baseline (--method droidspeak|ridge|spectrum), on the built-in data or your own (--data)."""
+    setup_logging(verbose)
+    from tools.calibration.pipeline import CalibrationSettings, data_hash
+    from tools.calibration.pipeline import calibrate as run
+
+    if method not in METHODS:
+        raise typer.BadParameter(f"expected one of {sorted(METHODS)}, got {method!r}")
+    overrides = parse_set(set_)
+    try:
+        cfg = CalibrationSettings(pair=pair, **overrides) if method == "scd" else None
+    except ValueError as e:
+        fail(str(e))
+    check_data(data_file)
+    pm = pair_models(pair, device, dtype)
+    out = pm.store(out)
+    stop = pm.fmt.stop_ids
+    n_val = (cfg.n_val if cfg else int(overrides.get("n_val", 24)))
+    val = validation_prompts(pm, data_file, n_val)
+    source = f"{data_file} (sha256 {_sha(data_file)[:12]})" if data_file else "built-in data"
+    typer.echo(f"calibrating {method} for pair {pair!r} on {source}: {len(val)} validation prompts; store {out}",
+               err=True)
+
+    def save_profile(prof: dict, tensors=None) -> Path:
+        """A baseline's profile into the store, pinned to both models and to its data."""
+        from shared.artifacts import store
+        from shared.model.fingerprint import weights_fingerprint
+
+        prof = {**prof, "data": source}
+        return store.save_profile(out, pair, method, prof, weights_fingerprint(pm.producer.model),
+                                  weights_fingerprint(pm.consumer.model), tensors=tensors)
+
+    try:
+        if method == "droidspeak":
+            from tools.calibration.droidspeak import profile
+
+            prof = profile(pm.producer, pm.consumer, val, stop_ids=stop, **overrides)
+            typer.echo(f"droidspeak blocks {prof['blocks']} written to {save_profile(prof)}")
+            typer.echo(json.dumps(prof["report"]))
+            return
+        if method == "spectrum":
+            from tools.calibration.spectrum import probe
+
+            overrides.pop("n_val", None)
+            prof = probe(pm.producer, pm.consumer, val, **overrides)
+            typer.echo(f"spectrum int4 {'allowed' if prof['int4'] else 'disabled (two-tier fp16 + int8)'}; written to "
+                       f"{save_profile(prof)}")
+            typer.echo(json.dumps(prof["report"]))
+            return
+        cal = calibration_prompts(pm, data_file)
+        if method == "ridge":
+            from tools.calibration.ridge import calibrate as fit_ridge
+
+            n_prompts = int(overrides.pop("n_prompts", 64))
+            overrides.pop("n_val", None)
+            tensors, prof = fit_ridge(pm.producer, pm.consumer, cal[:n_prompts], val, stop_ids=stop, **overrides)
+            path = save_profile(prof, tensors)
+            r = prof["report"]
+            typer.echo(f"ridge maps (top_k={prof['top_k']}, alpha={prof['alpha']}) written to {path}; validation KL "
+                       f"{r['kl']:.4f} vs raw {r['raw_kl']:.4f}")
+            typer.echo(json.dumps({k: v for k, v in r.items() if k != "r2_per_layer"}))
+            return
+        folder, report = run(pm.producer, pm.consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]),
+                             stop_ids=stop)
+    except (ValueError, TypeError) as e:
+        fail(str(e))
+    v = report["validation"]
+    typer.echo(f"artifacts written to {folder}")
+    typer.echo(f"validation KL: raw {v['raw_kl']:.4f} | REUSE only {v['reuse_only_kl']:.4f} | "
+               f"SCD {report['selected_kl']:.4f}; patch layers {[p['layer'] for p in report['greedy_path'][:cfg.budget_k]]}"
+               + (f"; PATCH block {blk[0]}-{blk[1] - 1} (REUSE + block {v['block_kl']:.4f})"
+                  if (blk := report.get("patch_block")) else ""))
+    if report["selected_kl"] >= v["raw_kl"]:
+        typer.echo(f"warning: on validation SCD is worse than raw transfer for pair {pair!r} (KL "
+                   f"{report['selected_kl']:.4f} vs {v['raw_kl']:.4f}): its caches barely drift and the lossy code "
+                   "costs more than it corrects; serve raw or quant to this consumer", err=True)
+    typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "peak_rss_mb": report.get("peak_rss_mb"),
+                           "validation": v, "selected_kl": report["selected_kl"]}))
+
+
+def _sha(path: Path) -> str:
+    from tools.data.user import file_hash
+
+    return file_hash(path)

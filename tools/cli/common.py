@@ -1,0 +1,141 @@
+"""What the commands share: logging, dtype names, clean exits, and a registered pair's models,
+prompt format, data and artifact store."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise typer.BadParameter(f"expected one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def entry(pair: str):
+    """The registered pair, or a clean exit naming the registered ones."""
+    from shared.errors import SCDError
+    from tools.assets import registry
+
+    try:
+        return registry.get(pair)
+    except SCDError as e:
+        fail(str(e))
+
+
+@dataclass
+class PairModels:
+    """A registered pair loaded for an offline command: both models, the prompt format, the store."""
+
+    entry: object  # registry.PairEntry
+    producer: object  # ModelAdapter
+    consumer: object  # ModelAdapter
+    tok: object
+    fmt: object  # PromptFormat
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def store(self, override: Path | None = None) -> Path:
+        return Path(override) if override else Path(self.entry.store)
+
+
+def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairModels:
+    """Load a registered pair (its weights checked against the registered fingerprints)."""
+    from shared.errors import SCDError
+    from shared.model.hf_adapter import ModelAdapter
+    from shared.model.loading import load_model, load_tokenizer
+    from shared.model.prompt import PromptFormat
+
+    e = entry(pair)
+    td = torch_dtype(dtype)
+    try:
+        producer = load_model(e.producer, device, td)
+        folder, adapter = e.consumer_model()
+        consumer = load_model(folder, device, td, adapter)
+        tok = load_tokenizer(e.tokenizer)
+    except (SCDError, OSError) as err:
+        fail(f"pair {pair!r}: {err}")
+    for side, model, want in (("producer", producer, e.producer_fingerprint), ("consumer", consumer,
+                                                                               e.consumer_fingerprint)):
+        if model.scd_fingerprint != want:
+            fail(f"pair {pair!r}: the {side}'s weights changed since registration (fingerprint {model.scd_fingerprint}"
+                 f", registered {want}); run `scd pair add {pair} ... --replace` (and recalibrate)")
+    return PairModels(e, ModelAdapter(producer), ModelAdapter(consumer), tok, PromptFormat(tok))
+
+
+def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | None = None, kinds=("qa",)):
+    """Prompts of ``split`` for the pair: the operator's JSONL (its seeded split) when given, else the
+    built-in data of ``kinds``, encoded with the pair's own tokenizer and chat template."""
+    from tools import data
+    from tools.data import user
+
+    try:
+        if data_file:
+            return user.load(data_file, pm.fmt, split, n, max_tokens=getattr(pm.consumer.config,
+                                                                              "max_position_embeddings", None))
+        out = [it for kind in kinds for it in data.load(kind, split, fmt=pm.fmt)]
+        return out[:n] if n is not None else out
+    except (user.DataFileError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
+        fail(str(e))
+
+
+def check_data(data_file: Path | None) -> None:
+    """Parse the operator's JSONL before any model is loaded: a bad file fails in a second, not
+    after the models load (the message names the file and line)."""
+    if data_file is None:
+        return
+    from tools.data import user
+
+    try:
+        n = user.counts(data_file)
+    except (user.DataFileError, OSError, UnicodeDecodeError) as e:
+        fail(str(e))
+    typer.echo(f"data: {data_file}: {sum(n.values())} prompts ({', '.join(f'{k} {v}' for k, v in n.items())})",
+               err=True)
+
+
+def calibration_prompts(pm: PairModels, data_file: Path | None) -> list[list[int]]:
+    """Calibration prompts: the JSONL's calibration split, or built-in QA and LM interleaved."""
+    if data_file:
+        return [it.prompt_ids for it in items(pm, "calibration", data_file=data_file)]
+    qa, lm = items(pm, "calibration", kinds=("qa",)), items(pm, "calibration", kinds=("lm",))
+    return [x.prompt_ids for pair_ in zip(qa, lm) for x in pair_] + [x.prompt_ids for x in qa[len(lm):]]
+
+
+def validation_prompts(pm: PairModels, data_file: Path | None, n: int | None = None) -> list[tuple[list[int], int]]:
+    return [(it.prompt_ids, it.prefix_len) for it in items(pm, "validation", n, data_file)]
+
+
+def parse_set(values: list[str]) -> dict:
+    """``--set key=value`` flags as a dict (values read as YAML scalars)."""
+    import yaml
+
+    out = {}
+    for item in values:
+        if "=" not in item:
+            raise typer.BadParameter(f"--set {item!r} must look like key=value")
+        k, v = item.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out

@@ -1,0 +1,175 @@
+"""``scd eval`` (every method side by side against the Oracle), ``scd drift`` and ``scd anatomy``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tools.cli.app import app
+from tools.cli.common import (
+    calibration_prompts,
+    check_data,
+    fail,
+    items,
+    pair_models,
+    setup_logging,
+    validation_prompts,
+)
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise typer.BadParameter(f"expected one of ['off', 'on'], got {value!r}")
+    return value == "on"
+
+
+@app.command()
+def drift(
+    pair: str = typer.Option("strong", help="A registered pair."),
+    n: int = typer.Option(48, min=1, help="Number of test prompts."),
+    native_prefix: str = typer.Option("on", help="on | off: consumer's own K/V for the fixed template prefix."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """How far the pair's caches disagree: Oracle vs raw transfer on the test split."""
+    setup_logging(verbose)
+    prefix = _on_off(native_prefix)
+    from tools.eval.harness import evaluate, oracle, raw
+    from tools.eval.report import print_layers, print_table
+
+    t0 = time.perf_counter()
+    check_data(data_file)
+    pm = pair_models(pair, device, dtype)
+    its = items(pm, "test", n, data_file)
+    res = evaluate(pm.producer, pm.consumer, pm.fmt, its, {"oracle": oracle, "raw": raw}, prefix)
+    res.update(pair=pair, native_prefix=native_prefix, n=len(its), seconds=round(time.perf_counter() - t0, 1))
+    print_table(res, title=f"drift: pair={pair} native_prefix={native_prefix} n={len(its)}")
+    print_layers(res)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({"pair": pair, "native_prefix": native_prefix, "n": len(its),
+                      "raw_kl": res["methods"]["raw"]["kl"], "raw_agree_f1": res["methods"]["raw"]["agree_f1"]}))
+
+
+@app.command()
+def anatomy(
+    pair: str = typer.Option("strong", help="A registered pair."),
+    n_cal: int = typer.Option(64, min=2, help="Calibration prompts for the ridge-map probes."),
+    n_val: int = typer.Option(24, min=1, help="Validation prompts scored."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+) -> None:
+    """Where the pair's drift lives (validation split): the consumer's own K/V on some layers,
+    full-rank per-token maps, and blocks of its own layers recomputed. Prints a table and JSON."""
+    from tools.eval.anatomy import default_probes, run
+
+    t0 = time.perf_counter()
+    check_data(data_file)
+    pm = pair_models(pair, device, dtype)
+    cal = [ids[:1024] for ids in calibration_prompts(pm, data_file)][:n_cal]
+    val = validation_prompts(pm, data_file, n_val)
+    res = run(pm.producer, pm.consumer, cal, val, pm.fmt.stop_ids, **default_probes(pm.producer.n_layers))
+    typer.echo(f"anatomy: pair={pair} native_prefix=on n={len(val)} (KL of the Oracle's answer, nats/token)")
+    for name, kl in res.items():
+        typer.echo(f"  {name:58s} {kl:.4f}")
+    body = {"pair": pair, "n": len(val), "n_cal": len(cal), "kl": res, "seconds": round(time.perf_counter() - t0, 1)}
+    if json_out:
+        json_out.write_text(json.dumps(body, indent=2) + "\n")
+    print(json.dumps(body))
+
+
+@app.command("eval")
+def eval_(
+    pair: str = typer.Option("strong", help="A registered pair."),
+    methods: str = typer.Option("oracle,raw,scd-reuse,scd", help="Comma-separated transfer methods."),
+    n: int = typer.Option(48, min=1, help="Number of test prompts."),
+    native_prefix: str = typer.Option("on", help="on | off"),
+    store_dir: Optional[Path] = typer.Option(None, "--store", help="Artifact store (default: the pair's store)."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+    param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
+    sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
+    device: str = typer.Option("cpu"),
+    dtype: str = typer.Option("float32"),
+) -> None:
+    """Quality and cost of each transfer method against the Oracle, side by side on the same prompts."""
+    setup_logging(False)
+    prefix = _on_off(native_prefix)
+    from shared.artifacts import store
+    from shared.codecs import CODECS, CodecContext
+    from shared.codecs.scd import PairArtifacts
+    from shared.errors import SCDError
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.eval.harness import codec_method, evaluate, oracle
+    from tools.eval.report import print_table
+
+    names = [m for m in methods.split(",") if m]
+    unknown = [m for m in names if m not in CODECS]
+    if unknown:
+        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
+    params: dict[str, dict[str, str]] = {}
+    for p in param:
+        key, _, value = p.partition("=")
+        meth, _, k = key.partition(".")
+        params.setdefault(meth, {})[k] = value
+    t0 = time.perf_counter()
+    check_data(data_file)
+    pm = pair_models(pair, device, dtype)
+    store_dir = pm.store(store_dir)
+    producer, consumer = pm.producer, pm.consumer
+    pctx, cctx = CodecContext(producer), CodecContext(consumer)
+    pfp, cfp = weights_fingerprint(producer.model), weights_fingerprint(consumer.model)
+    if any("artifacts" in CODECS[m].requires for m in names):
+        try:
+            folder = store_dir / pair
+            meta, pt = store.load(folder, "producer", pfp, cfp)
+            _, ct = store.load(folder, "consumer", pfp, cfp)
+        except SCDError as e:
+            fail(str(e))
+        pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
+    for kind in (m for m in names if "profile" in CODECS[m].requires):
+        try:
+            prof = store.load_profile(store_dir, pair, kind, pfp, cfp)
+        except SCDError as e:
+            explicit = (kind == "droidspeak" and params.get(kind, {}).get("blocks", "auto") != "auto") or \
+                       (kind == "spectrum" and params.get(kind, {}).get("int4", "auto") != "auto")
+            if explicit:
+                continue
+            fail(str(e))
+        pctx.profiles[kind] = cctx.profiles[kind] = prof
+    try:
+        if sweep:
+            from tools.eval import sweep as sw
+
+            ds = pctx.profiles.get("droidspeak", {}).get("blocks")
+            pl = pctx.artifacts.meta.patch_layers if pctx.artifacts else None
+            pts = sw.points(names, ds, pl, pctx.artifacts.meta.patch_blocks if pctx.artifacts else None)
+            runners = {lab: oracle if kind == "oracle" else codec_method(kind, pctx, cctx, prm) for lab, kind, prm in pts}
+        else:
+            runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}
+    except SCDError as e:
+        fail(str(e))
+    hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
+    residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
+    its = items(pm, "test", n, data_file)
+    res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual)
+    res.update(pair=pair, native_prefix=native_prefix, n=len(its), data=str(data_file) if data_file else "built-in",
+               seconds=round(time.perf_counter() - t0, 1))
+    print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
+    if sweep:
+        target = json_out.with_name(json_out.stem + ".sweep.json") if json_out else Path("sweep.json")
+        body = sw.write(res["methods"], target, f"{pair}, native prefix {native_prefix}, n={len(its)}")
+        typer.echo(f"pareto frontier: {body['pareto']}; points in {target}, plot in {body['png']}")
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps({"pair": pair, "native_prefix": native_prefix, "n": len(its),
+                      "kl": {m: r["kl"] for m, r in res["methods"].items()}}))

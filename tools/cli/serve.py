@@ -1,0 +1,232 @@
+"""``scd serve consumer|producer``, ``scd generate`` and ``scd demo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tools.cli.app import app
+from tools.cli.common import fail, setup_logging
+
+serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
+app.add_typer(serve_app, name="serve")
+
+
+def _serve(load_engine, build_server, settings) -> None:
+    import asyncio
+
+    from shared.errors import SCDError
+
+    async def run() -> None:
+        engine = load_engine(settings)
+        built = build_server(engine)
+        server, servicer = built if isinstance(built, tuple) else (built, None)
+        port = await server.start()
+        typer.echo(f"{type(settings).__name__.replace('Settings', '').lower()} listening on "
+                   f"{settings.server.host}:{port}", err=True)
+        if getattr(server, "http", None) is not None:
+            typer.echo(f"HTTP (health, metrics{', OpenAI API' if servicer else ''}) on "
+                       f"{settings.http.host}:{server.http.port}", err=True)
+        try:
+            await server.serve_until_signal(settings.server.grace_s)
+        finally:
+            if servicer is not None:
+                await servicer.close()
+            engine.close()
+
+    try:
+        asyncio.run(run())
+    except (SCDError, OSError) as e:
+        fail(str(e))
+
+
+def _load_settings(cls, config, overrides, **kw):
+    from shared.errors import ConfigError
+
+    try:
+        return cls.load(config, overrides, **{k: v for k, v in kw.items() if v is not None})
+    except ConfigError as e:
+        fail(str(e))
+
+
+def _registered(name: str):
+    """The registry entry of ``name``, or None when it is not a registered pair."""
+    from shared.errors import SCDError
+    from tools.assets import registry
+
+    try:
+        return registry.load().pairs.get(name)
+    except SCDError as e:
+        fail(str(e))
+
+
+def _served_methods(store_dir: Path, name: str) -> list[str]:
+    """What a store holds for consumer ``name``: the methods it can serve without more calibration."""
+    methods = ["oracle", "raw", "quant"]
+    if (store_dir / name / "meta.json").exists():
+        methods += ["scd-reuse", "scd"]
+    else:
+        typer.echo(f"note: no SCD artifacts for consumer {name!r} in {store_dir} (run `scd calibrate --pair {name}`): "
+                   "scd is not served", err=True)
+    for kind in ("spectrum", "droidspeak", "ridge"):  # baselines whose profile the store holds
+        if (store_dir / f"{name}.{kind}.json").exists():
+            methods.append(kind)
+    return methods
+
+
+@serve_app.command("consumer")
+def serve_consumer(
+    pair: Optional[str] = typer.Option(None, help="A registered pair: its consumer model, name and artifact store."),
+    name: Optional[str] = typer.Option(None, help="Consumer name (default: the pair's name, else strong)."),
+    model: Optional[str] = typer.Option(None, help="Model folder (default: the pair's consumer)."),
+    adapter: Optional[str] = typer.Option(None, help="LoRA adapter folder merged into --model at load."),
+    host: Optional[str] = typer.Option(None),
+    port: Optional[int] = typer.Option(None),
+    store: Optional[str] = typer.Option(None, help="Artifact store directory (default: the pair's store)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Serve a consumer: receives cache streams, reconstructs layer by layer, decodes."""
+    setup_logging(verbose)
+    from consumer_service.server import build_server, load_engine
+    from consumer_service.settings import ConsumerSettings
+
+    server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    quick = not config and not set_
+    e = None
+    if pair or (quick and model is None):
+        pair = pair or name or "strong"
+        e = _registered(pair)
+        if e is None:
+            from tools.assets import registry
+
+            fail(f"unknown pair {pair!r} (registered: {registry.names() or 'none'}); register it with `scd pair add` "
+                 "or give --model")
+        name = name or e.name
+        if model is None:
+            model, adapter = e.consumer_model()
+    extra = {}
+    store_dir = Path(store) if store else (Path(e.store) if e else None)
+    if quick:  # no settings file: serve what the store holds for this consumer
+        if store_dir is None:
+            from tools.assets.registry import default_store
+
+            store_dir = default_store(builtin=True)
+        extra["artifact_store"] = str(store_dir)
+        extra["methods"] = _served_methods(store_dir, name or "strong")
+    elif store_dir:
+        extra["artifact_store"] = str(store_dir)
+    mod = {"path": model, **({"adapter": adapter} if adapter else {})} if model else None
+    s = _load_settings(ConsumerSettings, config, set_, name=name, model=mod, server=server or None, **extra)
+    _serve(load_engine, build_server, s)
+
+
+@serve_app.command("producer")
+def serve_producer(
+    consumer: list[str] = typer.Option([], help="NAME=HOST:PORT of a consumer (repeatable); a registered pair's "
+                                                "NAME brings its producer model, tokenizer and artifacts."),
+    model: Optional[str] = typer.Option(None, help="Model folder (default: the registered pairs' producer)."),
+    host: Optional[str] = typer.Option(None),
+    port: Optional[int] = typer.Option(None),
+    store: Optional[str] = typer.Option(None, help="Artifact store directory (default: each pair's store)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Serve the producer: prefills with the base model and streams the cache to consumers."""
+    setup_logging(verbose)
+    from producer_service.server import build_server, load_engine
+    from producer_service.settings import ProducerSettings
+
+    consumers, producers, offered = {}, set(), ["oracle", "raw", "quant", "scd-reuse", "scd"]
+    for c in consumer:
+        if "=" not in c:
+            raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
+        n, addr = c.split("=", 1)
+        consumers[n] = {"address": addr}
+        e = _registered(n)
+        if e is not None:
+            producers.add(e.producer)
+            consumers[n]["tokenizer"] = e.tokenizer
+        if store:
+            store_dir = Path(store)
+        elif e is not None:
+            store_dir = Path(e.store)
+        else:
+            from tools.assets.registry import default_store
+
+            store_dir = default_store(builtin=True)
+        if (store_dir / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
+            consumers[n]["artifacts"] = str(store_dir / n)  # the pair's artifacts and profiles, when calibrated
+            offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
+                        if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
+    if model is None and not config and not any(o.startswith("model.") for o in set_):
+        if len(producers) > 1:
+            fail(f"the registered consumers have different producers ({sorted(producers)}); one producer serves "
+                 "consumers of one base model: give --model")
+        if producers:
+            model = producers.pop()
+        else:
+            from tools.assets.models import producer_dir
+
+            model = str(producer_dir())
+    quick = not config and not set_
+    s = _load_settings(ProducerSettings, config, set_, model={"path": model} if model else None,
+                       server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
+                       consumers=consumers or None, methods=offered if quick else None)
+    _serve(load_engine, build_server, s)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text (wrapped in the consumer's chat template)."),
+    producer: str = typer.Option("127.0.0.1:50051", help="HOST:PORT of the producer."),
+    consumer: str = typer.Option("strong", "--consumer", "--pair", help="Consumer (pair) name."),
+    method: str = typer.Option("", help="Transfer method (default: the producer's)."),
+    param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
+    max_new_tokens: int = typer.Option(64),
+    temperature: float = typer.Option(0.0),
+    top_p: float = typer.Option(1.0),
+    stop: list[str] = typer.Option([]),
+    seed: int = typer.Option(0),
+    native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
+    timeout: float = typer.Option(120.0, help="Deadline in seconds."),
+    token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
+    tls_ca: Optional[Path] = typer.Option(None, help="PEM CA to verify a TLS producer."),
+) -> None:
+    """Send a prompt to the producer and print the consumer's tokens as they stream."""
+    import grpc
+
+    from tools import client
+
+    params = dict(p.split("=", 1) for p in param if "=" in p)
+    req = client.request(prompt, consumer, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
+                         native_prefix, params)
+    try:
+        res = client.generate(producer, req, timeout, on_event=lambda ev: print(ev.text, end="", flush=True),
+                              token=token, root_certificates=tls_ca.read_bytes() if tls_ca else None)
+    except grpc.RpcError as e:
+        typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    t = res.timings
+    print()
+    typer.echo(f"[{t.method}] TTFT {t.ttft_ms:.0f} ms | {t.wire_bytes:,} bytes on the wire | "
+               f"prefill {t.prefill_ms:.0f} ms, encode {t.encode_ms:.0f} ms, reconstruct {t.reconstruct_ms:.0f} ms | "
+               f"{t.completion_tokens} tokens at {t.decode_tokens_per_s:.1f} tok/s | finish {res.finish_reason}")
+
+
+@app.command()
+def demo(
+    pair: str = typer.Option("strong", help="A registered pair."),
+    methods: str = typer.Option("oracle,raw,scd", help="Comma-separated transfer methods."),
+    max_new_tokens: int = typer.Option(24),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Ask the first test prompt of this JSONL instead."),
+) -> None:
+    """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""
+    from tools import demo as d
+    from tools.cli.common import entry
+
+    d.run(entry(pair), tuple(m for m in methods.split(",") if m), max_new_tokens, data_file=data_file)

@@ -1,0 +1,126 @@
+"""An operator's own prompts, from a JSONL file, for calibration, profiling and evaluation.
+
+One prompt per line::
+
+    {"prompt": "Summarize: ...", "answer": "...", "continuation": "..."}
+    {"prompt": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}]}
+    a plain text line is a prompt too
+
+``prompt`` is text (a user message, wrapped in the pair's own chat template when its tokenizer has
+one) or a list of chat messages; ``answer`` (optional) is a gold answer, scored as task F1;
+``continuation`` (optional) is held-out text that follows the prompt, scored teacher-forced (without
+one, the Oracle's own greedy answer is the teacher-forced target). Each prompt falls into the
+calibration, validation or test split by a seeded hash of its content, so a line keeps its split
+when lines are added, removed or reordered, and the splits never share a prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from shared.errors import InvalidRequest
+from shared.model.prompt import PromptFormat, check_messages
+from tools.data import SPLITS, Item, Split
+
+SPLIT_FRACTIONS = {"calibration": 0.6, "validation": 0.2, "test": 0.2}
+SPLIT_SEED = 20261130
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be used (the message names the file, the line and what to fix)."""
+
+
+def _records(path: Path) -> list[tuple[int, dict]]:
+    if not path.is_file():
+        raise DataFileError(f"data file {path} does not exist")
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="strict").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = line if not line.lstrip().startswith("{") else None
+            if obj is None:
+                raise DataFileError(f"{path}:{i + 1}: looks like JSON but does not parse; fix it or give a plain "
+                                    "text line") from None
+        if isinstance(obj, str):
+            obj = {"prompt": obj}
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise DataFileError(f"{path}:{i + 1}: expected a JSON object with a \"prompt\" (text or a list of chat "
+                                "messages), a JSON string, or a plain text line")
+        unknown = set(obj) - {"prompt", "answer", "continuation", "id"}
+        if unknown:
+            raise DataFileError(f"{path}:{i + 1}: unknown fields {sorted(unknown)}; expected prompt, answer, "
+                                "continuation, id")
+        p = obj["prompt"]
+        if isinstance(p, str):
+            if not p.strip():
+                raise DataFileError(f"{path}:{i + 1}: empty prompt")
+        else:
+            try:
+                check_messages(p)
+            except InvalidRequest as e:
+                raise DataFileError(f"{path}:{i + 1}: {e}") from None
+        for k in ("answer", "continuation", "id"):
+            if k in obj and not isinstance(obj[k], str):
+                raise DataFileError(f"{path}:{i + 1}: \"{k}\" must be a string")
+        out.append((i, obj))
+    if not out:
+        raise DataFileError(f"{path}: no prompts found")
+    return out
+
+
+def split_of(obj: dict, seed: int = SPLIT_SEED) -> Split:
+    """The split a prompt falls into: a seeded hash of its content (prompt, answer, continuation)."""
+    key = json.dumps([obj["prompt"], obj.get("answer", ""), obj.get("continuation", "")], sort_keys=True)
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") / 2**64
+    edge = 0.0
+    for split in SPLITS:
+        edge += SPLIT_FRACTIONS[split]
+        if u < edge:
+            return split
+    return SPLITS[-1]
+
+
+def file_hash(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load(path: str | Path, fmt: PromptFormat, split: Split | None = None, n: int | None = None,
+         max_tokens: int | None = None, seed: int = SPLIT_SEED) -> list[Item]:
+    """The file's prompts of ``split`` (all with None), encoded with the pair's prompt format, in
+    file order. Prompts longer than ``max_tokens`` are refused with their line number."""
+    path = Path(path)
+    items = []
+    for i, obj in _records(path):
+        if split is not None and split_of(obj, seed) != split:
+            continue
+        ids, pre = fmt.encode(obj["prompt"])
+        if len(ids) < 2:
+            raise DataFileError(f"{path}:{i + 1}: the prompt encodes to {len(ids)} token(s); at least 2 are needed")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise DataFileError(f"{path}:{i + 1}: the prompt has {len(ids)} tokens; the limit is {max_tokens} (the "
+                                "model's context); shorten it")
+        cont = obj.get("continuation", "")
+        items.append(Item(id=obj.get("id") or f"{path.stem}-{i + 1:05d}", kind="user", prompt_ids=ids, prefix_len=pre,
+                          answer=obj.get("answer", ""), prompt=obj["prompt"], continuation=cont,
+                          continuation_ids=fmt._ids(cont) if cont else []))
+        if n is not None and len(items) >= n:
+            break
+    if not items:
+        counts = {s: 0 for s in SPLITS}
+        for _, obj in _records(path):
+            counts[split_of(obj, seed)] += 1
+        raise DataFileError(f"{path}: no prompts in the {split} split (splits: {counts}); the split takes about "
+                            f"{SPLIT_FRACTIONS[split]:.0%} of the lines by a hash of each prompt: add prompts")
+    return items
+
+
+def counts(path: str | Path, seed: int = SPLIT_SEED) -> dict[str, int]:
+    out = {s: 0 for s in SPLITS}
+    for _, obj in _records(Path(path)):
+        out[split_of(obj, seed)] += 1
+    return out

@@ -1,0 +1,98 @@
+"""The two-process demo: a consumer and a producer on localhost, a real question about real
+passages, the answer streamed for each method, TTFT and bytes side by side, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tools import client, data
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service for {address} exited with code {proc.returncode} before it was ready")
+        try:
+            with grpc.insecure_channel(address) as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{address} not healthy after {timeout:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_tokens: int = 24,
+        item_index: int = 0, data_file=None) -> dict:
+    """``entry``: the registered pair (``tools.assets.registry.PairEntry``); the question is a test
+    prompt of the built-in QA data, or of ``data_file`` (JSONL), in the pair's own prompt format."""
+    from shared.model.loading import load_tokenizer
+    from shared.model.prompt import PromptFormat
+
+    pair = entry.name
+    fmt = PromptFormat(load_tokenizer(entry.tokenizer))
+    if data_file:
+        from tools.data import user
+
+        item = user.load(data_file, fmt, "test")[item_index]
+    else:
+        item = data.load("qa", "test", fmt=fmt)[item_index]
+    cport, pport = free_port(), free_port()
+    exe = [sys.executable, "-m", "tools.cli", "serve"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen(exe + ["consumer", "--pair", pair, "--port", str(cport)], env=env)]
+    results = {}
+    try:
+        procs.append(subprocess.Popen(exe + ["producer", "--port", str(pport), "--consumer",
+                                             f"{pair}=127.0.0.1:{cport}", "--set", f"methods={list(methods)}",
+                                             "--set", f"default_method={methods[-1]}"], env=env))
+        for addr, p in ((f"127.0.0.1:{cport}", procs[0]), (f"127.0.0.1:{pport}", procs[1])):
+            wait_healthy(addr, p)
+        question = item.question or (item.prompt if isinstance(item.prompt, str) else item.prompt[-1]["content"])
+        print(f"\nQuestion ({len(item.prompt_ids)}-token prompt): {question[-300:]}\n"
+              + (f"Gold answer: {item.answer}\n" if item.answer else ""))
+        for m in methods:
+            print(f"--- {m} ---", flush=True)
+            req = client.request(item.prompt_ids, pair, m, max_new_tokens=max_new_tokens)
+            res = client.generate(f"127.0.0.1:{pport}", req, timeout=300,
+                                  on_event=lambda ev: print(ev.text, end="", flush=True))
+            print()
+            results[m] = res
+        print(f"\n{'method':<10}{'TTFT ms':>10}{'wire bytes':>14}{'reconstruct ms':>16}  answer")
+        for m, r in results.items():
+            t = r.timings
+            print(f"{m:<10}{t.ttft_ms:>10.0f}{t.wire_bytes:>14,}{t.reconstruct_ms:>16.0f}  {r.text.strip()[:60]!r}")
+    finally:
+        stop(procs)
+    alive = [p.pid for p in procs if p.poll() is None]
+    print(f"\nboth services stopped (exit codes {[p.returncode for p in procs]})" if not alive
+          else f"\nstill running: {alive}")
+    return results

@@ -1,0 +1,204 @@
+"""The side-by-side evaluation harness: every method judged on the consumer, against the Oracle,
+on the same prompts, with the producer prefill and the Oracle computed once per prompt."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache
+from shared.model.prompt import PromptFormat
+from tools.data import Item
+from tools.eval.metrics import kl_top1, rel_err, token_f1
+
+MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class Context:
+    """What a method sees for one prompt."""
+
+    item: Item
+    producer: PrefillState  # producer prefill over prompt[:-1]
+    consumer: PrefillState  # consumer's own prefill (the Oracle's K/V), pre-RoPE
+    prefix_len: int  # leading tokens whose K/V the consumer holds natively (0 = native prefix off)
+
+
+@dataclass
+class MethodResult:
+    cache: object  # DynamicCache on the consumer
+    bytes: int = 0
+    encode_ms: float = 0.0
+    reconstruct_ms: float = 0.0
+
+
+Method = Callable[[Context, ModelAdapter], MethodResult]
+
+
+def oracle(ctx: Context, consumer: ModelAdapter) -> MethodResult:
+    """The consumer's own prefill; only token ids (int32) cross the wire."""
+    cache = consumer.build_cache(ctx.consumer.keys, ctx.consumer.values)
+    return MethodResult(cache, bytes=4 * ctx.producer.n_tokens)
+
+
+def with_native_prefix(ctx: Context, keys, values):
+    """Replace the first ``prefix_len`` positions by the consumer's own K/V."""
+    p = ctx.prefix_len
+    if p == 0:
+        return list(keys), list(values)
+    ks = [torch.cat([ck[:, :, :p], k[:, :, p:]], 2) for ck, k in zip(ctx.consumer.keys, keys)]
+    vs = [torch.cat([cv[:, :, :p], v[:, :, p:]], 2) for cv, v in zip(ctx.consumer.values, values)]
+    return ks, vs
+
+
+def raw(ctx: Context, consumer: ModelAdapter) -> MethodResult:
+    t0 = time.perf_counter()
+    ks, vs = with_native_prefix(ctx, ctx.producer.keys, ctx.producer.values)
+    cache = consumer.build_cache(ks, vs)
+    n = ctx.producer.n_tokens - ctx.prefix_len
+    nbytes = 2 * 2 * consumer.n_layers * consumer.kv_dim * n  # K and V, fp16
+    return MethodResult(cache, bytes=nbytes, reconstruct_ms=(time.perf_counter() - t0) * 1e3)
+
+
+@dataclass
+class Acc:
+    kl: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    agree_f1: list[float] = field(default_factory=list)
+    task_f1: list[float] = field(default_factory=list)
+    nll: float = 0.0
+    nll_tokens: int = 0
+    bytes_per_token: list[float] = field(default_factory=list)
+    encode_ms: list[float] = field(default_factory=list)
+    reconstruct_ms: list[float] = field(default_factory=list)
+
+    def summary(self, oracle_ppl: float | None) -> dict:
+        ppl = math.exp(self.nll / max(self.nll_tokens, 1))
+        out = {
+            "n": len(self.kl),
+            "kl": statistics.fmean(self.kl),
+            "top1": statistics.fmean(self.top1),
+            "agree_f1": statistics.fmean(self.agree_f1),
+            "task_f1": statistics.fmean(self.task_f1) if self.task_f1 else None,
+            "ppl": ppl,
+            "delta_ppl_pct": 100 * (ppl / oracle_ppl - 1) if oracle_ppl else 0.0,
+            "bytes_per_token": statistics.fmean(self.bytes_per_token),
+            "encode_ms": statistics.fmean(self.encode_ms),
+            "reconstruct_ms": statistics.fmean(self.reconstruct_ms),
+        }
+        return out
+
+
+def evaluate(
+    producer: ModelAdapter,
+    consumer: ModelAdapter,
+    fmt: PromptFormat,
+    items: Sequence[Item],
+    methods: dict[str, Method],
+    native_prefix: bool,
+    hidden_layers: Sequence[int] = (),
+    residual_layers: Sequence[int] = (),
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    progress: bool = True,
+) -> dict:
+    """Run every method on every item; returns {"methods": {name: metrics}, "layers": {...}}. ``fmt`` is
+    the pair's prompt format: its stop ids end answers, its tokenizer decodes them."""
+    stop, tok = fmt.stop_ids, fmt.tok
+    accs = {name: Acc() for name in methods}
+    k_err = [0.0] * consumer.n_layers
+    v_err = [0.0] * consumer.n_layers
+    for item in tqdm(items, desc="eval", disable=not progress):
+        ctx_ids, last = item.prompt_ids[:-1], item.prompt_ids[-1]
+        p_state = producer.prefill(ctx_ids, hidden_layers=hidden_layers, residual_layers=residual_layers)
+        c_state = consumer.prefill(ctx_ids)
+        for layer in range(consumer.n_layers):
+            k_err[layer] += rel_err(p_state.keys[layer], c_state.keys[layer]) / len(items)
+            v_err[layer] += rel_err(p_state.values[layer], c_state.values[layer]) / len(items)
+        ctx = Context(item, p_state, c_state, item.prefix_len if native_prefix else 0)
+        gold = fmt.answer_ids(item.answer) if item.answer else []
+        reference = list(item.continuation_ids)
+
+        o_cache = oracle(ctx, consumer).cache
+        o_toks = consumer.greedy(clone_cache(o_cache, consumer.config), last, max_new_tokens, stop)
+        tf = reference or o_toks  # teacher-forced target: held-out continuation, else the Oracle's greedy
+        o_lp = consumer.score(clone_cache(o_cache, consumer.config), last, tf)[: len(tf)]
+        o_text = tok.decode(o_toks, skip_special_tokens=True)
+        for name, method in methods.items():
+            r = method(ctx, consumer)
+            lp = consumer.score(clone_cache(r.cache, consumer.config), last, tf)[: len(tf)]
+            kl, top1 = kl_top1(o_lp, lp)
+            acc = accs[name]
+            acc.kl.append(float(kl.mean()))
+            acc.top1.append(float(top1.mean()))
+            toks = o_toks if name == "oracle" else consumer.greedy(clone_cache(r.cache, consumer.config), last, max_new_tokens, stop)
+            text = tok.decode(toks, skip_special_tokens=True)
+            acc.agree_f1.append(token_f1(text, o_text))
+            if item.answer:
+                acc.task_f1.append(token_f1(text, item.answer))
+            target = gold or reference
+            if target:
+                glp = consumer.score(clone_cache(r.cache, consumer.config), last, target)[: len(target)]
+                acc.nll -= float(glp.gather(1, torch.tensor(target).unsqueeze(1)).sum())
+                acc.nll_tokens += len(target)
+            acc.bytes_per_token.append(r.bytes / len(ctx_ids))
+            acc.encode_ms.append(r.encode_ms)
+            acc.reconstruct_ms.append(r.reconstruct_ms)
+    oracle_ppl = accs["oracle"].summary(None)["ppl"] if "oracle" in accs else None
+    depth = list(range(consumer.n_layers))
+    return {
+        "methods": {name: acc.summary(oracle_ppl) for name, acc in accs.items()},
+        "layers": {"k_rel_err": k_err, "v_rel_err": v_err,
+                   "k_growth_per_layer": _slope(depth, k_err), "v_growth_per_layer": _slope(depth, v_err)},
+    }
+
+
+def _slope(x: Sequence[float], y: Sequence[float]) -> float:
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    den = sum((a - mx) ** 2 for a in x)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / den if den else 0.0
+
+
+def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] | None = None) -> Method:
+    """A registered transfer method run exactly as the services run it: producer-side encode of each
+    layer, the wire's chunking and lz4 (bytes counted from the real frames), consumer-side decode."""
+    from shared.codecs import DecodeJob, make_method
+    from shared.rpc.wire import layer_frames
+
+    enc = make_method(kind, producer_ctx, params)
+    dec = make_method(kind, consumer_ctx, params)
+
+    def run(ctx: Context, consumer: ModelAdapter) -> MethodResult:
+        n = ctx.producer.n_tokens
+        start = ctx.prefix_len
+        job = DecodeJob(prompt_ids=list(ctx.item.prompt_ids), n_tokens=n, start=start,
+                        prefix_keys=tuple(k[:, :, :start] for k in ctx.consumer.keys),
+                        prefix_values=tuple(v[:, :, :start] for v in ctx.consumer.values))
+        session = dec.start(job)
+        nbytes, enc_ms, rec_ms = 4 * len(ctx.item.prompt_ids), 0.0, 0.0
+        if enc.transfers_layers:
+            state = ctx.producer
+            if not (set(enc.hidden_layers()) <= set(state.hidden) and set(enc.residual_layers()) <= set(state.residual)):
+                raise ValueError(f"{kind} needs hidden/residual states of layers {enc.hidden_layers()} / "
+                                 f"{enc.residual_layers()}; pass them to evaluate()")
+            for layer in range(consumer.n_layers):
+                t0 = time.perf_counter()
+                tensors = enc.encode_layer(state, layer, start)
+                enc_ms += (time.perf_counter() - t0) * 1e3
+                frames = layer_frames(layer, tensors)
+                nbytes += sum(len(f.chunk.data) for f in frames)
+                t0 = time.perf_counter()
+                session.add_layer(layer, {k: v.cpu() for k, v in tensors.items()})
+                rec_ms += (time.perf_counter() - t0) * 1e3
+        t0 = time.perf_counter()
+        cache = session.finish()
+        rec_ms += (time.perf_counter() - t0) * 1e3
+        return MethodResult(cache, bytes=nbytes, encode_ms=enc_ms, reconstruct_ms=rec_ms)
+
+    run.hidden_layers, run.residual_layers = enc.hidden_layers(), enc.residual_layers()
+    return run
