@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets test test-all demo proto clean-venv bench-overlap bench bench-quick calibrate eval
+.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick calibrate eval
 
 install: $(STAMP)
 
@@ -22,7 +22,12 @@ $(STAMP): requirements.txt pyproject.toml
 assets: install
 	$(SCD) assets
 
-test: install assets
+# ruff over everything; the type checker over the serving library and the services (pyproject.toml)
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: install assets lint
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: install assets

@@ -1,33 +1,36 @@
-"""Consumer engine: validates a stream's header, reconstructs each layer as it arrives, decodes.
-
-Torch work runs on one worker thread (``run``), which keeps the event loop free and device use
-serial."""
+"""Consumer engine: validates a stream's header, receives the frames' layers through a bounded
+read-ahead queue and reconstructs each one on the torch worker as it arrives (so reconstruction
+overlaps the transfer whatever HTTP/2 flow control does), then decodes, yielding token events.
+Domain types in and out; no protobuf. Admission control and the service's metrics live here too."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 
 import torch
 
+from consumer_service.admission import AdmissionController
 from consumer_service.settings import ConsumerSettings
-from shared.codecs import CODECS, CodecContext, DecodeJob, DecodeSession, check_enabled, make_method
-from shared.errors import (
-    ConfigError,
-    FingerprintMismatch,
-    InvalidPayload,
-    InvalidRequest,
-    PreconditionFailed,
-    UnknownMethod,
+from shared.codecs import CODECS, DecodeJob, DecodeSession, make_method
+from shared.domain import (
+    HeaderReceived,
+    LayerReceived,
+    SamplingRequest,
+    StreamEvent,
+    StreamHeader,
+    Timings,
+    TokenEvent,
+    TrailerReceived,
 )
+from shared.engine import Engine
+from shared.errors import FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
 from shared.generation import Generator, Sampling
-from shared.model.fingerprint import weights_fingerprint
-from shared.model.hf_adapter import ModelAdapter
-from shared.model.prompt import PromptFormat
-from shared.rpc import scd_pb2 as pb
+from shared.metrics import Metrics
 from shared.rpc.wire import PROTOCOL_VERSION
-from shared.worker import TorchWorker
 
 log = logging.getLogger(__name__)
 
@@ -36,72 +39,54 @@ log = logging.getLogger(__name__)
 class Request:
     """One in-flight transfer on the consumer."""
 
-    header: pb.Header
-    session: DecodeSession
+    header: StreamHeader
+    session: DecodeSession | None
     sampling: Sampling
-    t_first_frame: float = field(default_factory=time.perf_counter)
-    reconstruct_ms: float = 0.0
     fallback: str = ""  # why the consumer recomputes the prefill itself ("" = it uses the transfer)
+    reconstruct_ms: float = 0.0
+    t_first: float | None = None  # first frame after the header (the transfer proper)
+    t_last: float = 0.0  # last frame (the trailer)
 
 
-class ConsumerEngine(TorchWorker):
-    """Runs on one torch worker thread (``run``)."""
+@dataclass
+class TransferRecord:
+    """What the servicer needs for its metrics, filled as the engine learns it."""
 
-    def __init__(self, settings: ConsumerSettings, model, tokenizer=None):
-        check_enabled(settings.methods)
-        self.settings = settings
-        self.adapter = ModelAdapter(model)
-        self.tokenizer = tokenizer
-        self.fingerprint = weights_fingerprint(model)
-        self.ctx = CodecContext(self.adapter)
-        self.producer_fingerprint = settings.producer_fingerprint
-        if any("artifacts" in CODECS[m].requires for m in settings.methods):
-            self._load_artifacts()
-        for m in settings.methods:
-            if "profile" in CODECS[m].requires:
-                self._load_profile(m)
-        TorchWorker.__init__(self, f"consumer-{settings.name}")
-        self.format = PromptFormat(tokenizer) if tokenizer is not None else None
+    method: str = "unknown"
+    fallback: str = ""
+
+
+class ConsumerEngine(Engine):
+    """The fine-tuned model's side of every request. Torch work runs on the engine's worker thread."""
+
+    def __init__(self, settings: ConsumerSettings, model, tokenizer=None, metrics: Metrics | None = None):
+        super().__init__(settings, model, tokenizer, f"consumer-{settings.name}")
+        self.settings: ConsumerSettings = settings
+        s = settings
+        self.metrics = metrics or Metrics("consumer")
+        self.admission = AdmissionController(s.max_concurrent, s.max_queue, s.cache_budget_bytes, self.metrics)
+        from pathlib import Path
+
+        folder = Path(s.artifact_store) / s.name if s.artifact_store else None
+        self.ctx = self.load_context(folder, "consumer", s.producer_fingerprint, self.fingerprint,
+                                     require=tuple(m for m in s.methods if CODECS[m].requires))
+        meta = getattr(self.ctx.artifacts, "meta", None)  # the artifacts also pin the producer accepted
+        self.producer_fingerprint = s.producer_fingerprint or (meta.producer_fingerprint if meta else None)
         self.stop_ids = frozenset(self.format.stop_ids if self.format else ())
         self.prefix_ids: list[int] = []
         self.prefix_keys: tuple[torch.Tensor, ...] = ()
         self.prefix_values: tuple[torch.Tensor, ...] = ()
         if self.format is not None and self.format.prefix_ids:
-            self._prepare_native_prefix()
+            self._prepare_native_prefix(self.format.prefix_ids)
 
-    def _load_artifacts(self) -> None:
-        """The pair's consumer-side artifacts; they also pin the producer this consumer accepts."""
-        from pathlib import Path
-
-        from shared.artifacts import store
-        from shared.codecs.scd import PairArtifacts
-
-        s = self.settings
-        cross = [m for m in s.methods if "artifacts" in CODECS[m].requires]
-        if not s.artifact_store:
-            raise ConfigError(f"methods {cross} need calibration artifacts: set artifact_store (or drop them from "
-                              "methods)")
-        meta, tensors = store.load(Path(s.artifact_store) / s.name, "consumer", s.producer_fingerprint,
-                                   self.fingerprint)
-        self.ctx.artifacts = PairArtifacts(meta, tensors, "consumer")
-        self.producer_fingerprint = self.producer_fingerprint or meta.producer_fingerprint
-
-    def _load_profile(self, kind: str) -> None:
-        from shared.artifacts import store
-
-        if not self.settings.artifact_store:
-            raise ConfigError(f"method {kind!r} needs its profile from the artifact store: set artifact_store")
-        self.ctx.profiles[kind] = store.load_profile(self.settings.artifact_store, self.settings.name, kind,
-                                                     self.settings.producer_fingerprint, self.fingerprint)
-
-    def _prepare_native_prefix(self) -> None:
+    def _prepare_native_prefix(self, prefix_ids: list[int]) -> None:
         """The consumer's own K/V for the fixed chat-template prefix, computed once."""
-        self.prefix_ids = list(self.format.prefix_ids)
+        self.prefix_ids = list(prefix_ids)
         state = self.adapter.prefill(self.prefix_ids)
         self.prefix_keys, self.prefix_values = state.keys, state.values
 
     # ------------------------------------------------------------------ header
-    def incompatibility(self, h: pb.Header) -> tuple[str, str] | None:
+    def incompatibility(self, h: StreamHeader) -> tuple[str, str] | None:
         """(reason, actionable message) when the stream does not match what this consumer loaded."""
         s = self.settings
         if h.protocol_version != PROTOCOL_VERSION:
@@ -113,7 +98,7 @@ class ConsumerEngine(TorchWorker):
             side = "producer" if h.method_version < cls.version else "consumer"
             return "method_version", (f"method {h.method!r} version {h.method_version} from the producer; this "
                                       f"consumer has version {cls.version}: update the {side}")
-        producer_fp = h.pair_fingerprint.split(":")[0]
+        producer_fp = h.producer_fingerprint
         if self.producer_fingerprint and producer_fp != self.producer_fingerprint:
             return "fingerprint", (
                 f"stream made by producer weights {producer_fp!r}; consumer {s.name!r} accepts "
@@ -124,12 +109,13 @@ class ConsumerEngine(TorchWorker):
                               "producer is serving another model family; fix the producer's consumers setting")
         return None
 
-    def open(self, h: pb.Header) -> Request:
+    def open(self, h: StreamHeader) -> Request:
         s = self.settings
         if h.consumer and h.consumer != s.name:
             raise InvalidRequest(f"stream addressed to consumer {h.consumer!r}; this is {s.name!r}")
         if h.method not in s.methods:
-            raise UnknownMethod(f"method {h.method!r} is not enabled on consumer {s.name!r}; enabled: {list(s.methods)}")
+            raise UnknownMethod(f"method {h.method!r} is not enabled on consumer {s.name!r}; enabled: "
+                                f"{list(s.methods)}")
         bad = self.incompatibility(h)
         if bad is not None and s.fallback != "recompute":
             raise (FingerprintMismatch if bad[0] == "fingerprint" else PreconditionFailed)(bad[1])
@@ -160,7 +146,6 @@ class ConsumerEngine(TorchWorker):
             prompt_ids=list(h.prompt_ids), n_tokens=h.n_tokens, start=start,
             prefix_keys=tuple(k[:, :, :start] for k in self.prefix_keys) if start else (),
             prefix_values=tuple(v[:, :, :start] for v in self.prefix_values) if start else (),
-            params=dict(h.params),
         )
         return Request(h, method.start(job), sampling)
 
@@ -170,7 +155,7 @@ class ConsumerEngine(TorchWorker):
         per_token = a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.empty((), dtype=a.dtype).element_size()
         return (len(req.header.prompt_ids) + req.sampling.max_new_tokens) * per_token
 
-    def sampling(self, sp: pb.SamplingParams) -> Sampling:
+    def sampling(self, sp: SamplingRequest) -> Sampling:
         s = self.settings
         n = sp.max_new_tokens or s.default_max_new_tokens
         if n > s.max_new_tokens:
@@ -181,15 +166,124 @@ class ConsumerEngine(TorchWorker):
         except ValueError as e:
             raise InvalidRequest(f"invalid sampling settings: {e}".replace("\n", "; ")) from None
 
-    # ------------------------------------------------------------------ decode
+    # ------------------------------------------------------------------ torch work (worker thread)
     def add_layer(self, req: Request, layer: int, tensors) -> None:
         t0 = time.perf_counter()
+        assert req.session is not None  # dropped only once the cache is built
         req.session.add_layer(layer, tensors)
         req.reconstruct_ms += (time.perf_counter() - t0) * 1e3
 
     def generator(self, req: Request) -> Generator:
         t0 = time.perf_counter()
+        assert req.session is not None
         cache = req.session.finish()
+        req.session = None  # the cache now lives in the generator only
         req.reconstruct_ms += (time.perf_counter() - t0) * 1e3
         return Generator(self.adapter, cache, int(req.header.prompt_ids[-1]), req.sampling, self.tokenizer,
                          self.stop_ids)
+
+    # ------------------------------------------------------------------ the stream
+    async def _next(self, events: AsyncIterator[StreamEvent], deadline: float) -> StreamEvent:
+        """The next event, within the frame lease and the request's deadline."""
+        lease = self.settings.frame_timeout_s
+        left = deadline - time.time()
+        if left <= 0:
+            raise TimeoutError("the request's deadline passed; request aborted and its memory freed")
+        try:
+            return await asyncio.wait_for(anext(events), min(lease, left))
+        except StopAsyncIteration:
+            raise InvalidPayload("the stream ended before its trailer; frames were lost") from None
+        except asyncio.TimeoutError:
+            if left <= lease:
+                raise TimeoutError("the request's deadline passed while waiting for frames; request aborted and "
+                                   "its memory freed") from None
+            raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
+                               ) from None
+
+    async def transfer(self, events: AsyncIterator[StreamEvent], deadline: float, record: TransferRecord,
+                       hold: bool = False) -> AsyncGenerator[TokenEvent, None]:
+        """One request: its header, admission, the layers reconstructed as they arrive, then the
+        decoded tokens. ``hold`` (benchmarks only) reconstructs after the trailer instead."""
+        first = await self._next(events, deadline)
+        if not isinstance(first, HeaderReceived):
+            raise InvalidPayload("the stream must start with its header")
+        h = first.header
+        record.method = h.method if h.method in CODECS else "unknown"
+        if h.deadline_unix:
+            deadline = min(deadline, h.deadline_unix)
+        req = self.open(h)
+        record.fallback = req.fallback
+        if req.fallback:
+            self.metrics.fallbacks.labels(req.fallback).inc()
+        s = self.settings
+        wait = max(0.0, min(s.max_queue_wait_s, deadline - time.time()))
+        async with self.admission.slot(self.cache_estimate(req), wait):
+            if not req.fallback:  # with the fallback the frames are not read: the producer's call ends with ours
+                await self._reconstruct(req, events, deadline, hold)
+            async for ev in self._decode(req, deadline):
+                yield ev
+
+    async def _reconstruct(self, req: Request, events, deadline: float, hold: bool) -> None:
+        """A reader task pulls layers into a bounded queue while this loop reconstructs them on the
+        worker: layer l+1 arrives while layer l is rebuilt."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.settings.read_ahead_layers)
+
+        async def receive() -> None:
+            try:
+                while True:
+                    ev = await self._next(events, deadline)
+                    req.t_last = time.perf_counter()
+                    req.t_first = req.t_first or req.t_last
+                    await queue.put(ev)
+                    if isinstance(ev, TrailerReceived):
+                        return
+            except BaseException as e:  # noqa: BLE001 - handed to the reconstruct loop, which raises it
+                await queue.put(e)
+
+        reader = asyncio.create_task(receive())
+        held: list[LayerReceived] = []
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, TrailerReceived):
+                    break
+                if not isinstance(item, LayerReceived):
+                    raise InvalidPayload("a second header arrived inside the stream")
+                if hold:
+                    held.append(item)
+                else:
+                    await self.run(self.add_layer, req, item.layer, item.tensors)
+            for item in held:
+                await self.run(self.add_layer, req, item.layer, item.tensors)
+        finally:
+            reader.cancel()
+            held.clear()
+
+    async def _decode(self, req: Request, deadline: float) -> AsyncGenerator[TokenEvent, None]:
+        m, h = self.metrics, req.header
+        gen = await self.run(self.generator, req)
+        m.reconstruct.labels(h.method).observe(req.reconstruct_ms / 1e3)
+        t_first = req.t_first or time.perf_counter()
+        t_last = req.t_last or t_first
+        t_dec = time.perf_counter()
+        first = None
+        while not gen.finished:
+            if time.time() > deadline:
+                raise TimeoutError("the request's deadline passed during decoding; request aborted and its memory "
+                                   "freed")
+            step = await self.run(gen.step)
+            if first is None:
+                first = time.perf_counter()
+                m.ttft.labels(h.method).observe(first - t_first)
+            ev = TokenEvent(text=step.text, token_id=step.token_id, index=len(gen.tokens) - 1,
+                            finish_reason=step.finish_reason, request_id=h.request_id)
+            if gen.finished:
+                dt = time.perf_counter() - t_dec
+                ev.timings = Timings(
+                    reconstruct_ms=req.reconstruct_ms, transfer_ms=(t_last - t_first) * 1e3,
+                    last_frame_to_first_token_ms=(first - t_last) * 1e3,
+                    decode_tokens_per_s=len(gen.tokens) / dt if dt > 0 else 0.0, prompt_tokens=len(h.prompt_ids),
+                    completion_tokens=len(gen.tokens), method=h.method, fallback_recompute=bool(req.fallback))
+            yield ev

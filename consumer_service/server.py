@@ -23,13 +23,12 @@ def build_server(engine: ConsumerEngine) -> GRPCServer:
     """The consumer's gRPC server (with its token check and TLS when configured) and, when http.port
     is set, its /metrics and /health HTTP server, started and stopped with it. The servicer is
     ``server.servicer`` (its ``metrics`` and ``admission`` are what the tests inspect)."""
-    from shared.metrics import Metrics
     from shared.rpc.security import BearerAuthInterceptor
 
     s = engine.settings
     s.security.check()
-    metrics = Metrics("consumer")
-    servicer = ConsumerServicer(engine, metrics)
+    servicer = ConsumerServicer(engine)
+    metrics = engine.metrics
     token = s.security.bearer()
     interceptors = [BearerAuthInterceptor(token, metrics.auth_failures.labels("grpc").inc)] if token else []
     server = GRPCServer(lambda srv: pbg.add_ConsumerServicer_to_server(servicer, srv), s.server.host, s.server.port,

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from shared.config import HTTPSettings, ModelSettings, ServerSettings, ServiceSettings
+from shared.config import BenchSettings, HTTPSettings, ModelSettings, ServerSettings, ServiceSettings
 from shared.rpc.security import SecuritySettings
 
 
@@ -29,6 +29,9 @@ class ConsumerSettings(ServiceSettings):
     max_prompt_tokens: int = Field(4096, ge=2)
     max_new_tokens: int = Field(512, ge=1)
     default_max_new_tokens: int = Field(64, ge=1)
+    read_ahead_layers: int = Field(8, ge=1, le=1024)
+    """Layers received ahead of reconstruction (a bounded queue): the transfer keeps flowing while a
+    layer is rebuilt, and at most this many decoded layers wait in memory."""
     frame_timeout_s: float = Field(30.0, gt=0)
     """A request that receives no frame for this long is aborted and its memory freed (lease)."""
     fallback: Literal["fail", "recompute"] = "fail"
@@ -50,3 +53,4 @@ class ConsumerSettings(ServiceSettings):
     http: HTTPSettings = HTTPSettings()
     """/metrics and /health over HTTP; off unless http.port is set."""
     security: SecuritySettings = SecuritySettings()
+    bench: BenchSettings = BenchSettings()

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_service.servicer import ProducerServicer
+from shared.domain import GenerateRequest, SamplingRequest, TokenEvent
 from shared.errors import InvalidRequest, SCDError
-from shared.rpc import scd_pb2 as pb
 from shared.rpc.errors import status_for
 from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
 
@@ -72,7 +72,7 @@ def _prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
     if isinstance(p, list) and p and not all(isinstance(x, int) for x in p):
         raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
     if isinstance(p, list):
-        return list(p)
+        return [int(x) for x in p]  # type: ignore[arg-type]  # checked above: all ints
     if fmt is None:
         raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids")
     if not p.strip():
@@ -92,13 +92,13 @@ def _chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
     return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
 
 
-def _request(body: _Body, ids: list[int]) -> pb.GenerateRequest:
+def _request(body: _Body, ids: list[int]) -> GenerateRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=ids), consumer=body.model, method=body.method, method_params=body.method_params,
+    return GenerateRequest(
+        prompt=tuple(ids), consumer=body.model, method=body.method, method_params=dict(body.method_params),
         native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
-        sampling=pb.SamplingParams(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
-                                   temperature=body.temperature, top_p=body.top_p, stop=stop, seed=body.seed or 0),
+        sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
+                                 temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed or 0),
     )
 
 
@@ -142,15 +142,16 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             await events.aclose()
             return error_response(*status_for(e))
 
-        def usage(ev: pb.TokenEvent | None) -> dict | None:
-            if ev is None or not ev.HasField("timings"):
+        def usage(ev: TokenEvent | None) -> dict | None:
+            if ev is None or ev.timings is None:
                 return None
             t = ev.timings
             return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
                     "total_tokens": t.prompt_tokens + t.completion_tokens}
 
-        def timings(ev: pb.TokenEvent) -> dict:
+        def timings(ev: TokenEvent) -> dict:
             t = ev.timings
+            assert t is not None  # called on the final event only
             return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
                     "fallback_recompute": t.fallback_recompute}
 
@@ -175,7 +176,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                   "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
             out = {"id": rid, "object": obj, "created": created, "model": body.model, "choices": [c],
                    "usage": usage(last)}
-            if last is not None and last.HasField("timings"):
+            if last is not None and last.timings is not None:
                 out["scd_timings"] = timings(last)
             return JSONResponse(out)
 
@@ -195,7 +196,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                     while ev is not None:
                         data = {"id": rid, "object": chunk_obj, "created": created, "model": body.model,
                                 "choices": [choice(ev.text, ev.finish_reason)]}
-                        if ev.HasField("timings"):
+                        if ev.timings is not None:
                             data["usage"], data["scd_timings"] = usage(ev), timings(ev)
                         yield sse(data)
                         ev = await anext(events, None)
@@ -208,20 +209,20 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def handle(body, encode, chat: bool):
+        """The prompt encoded with the consumer's format (errors as OpenAI-style 4xx), then the run."""
         try:
-            ids = _prompt_ids(eng.prompt_format(body.model), body, s.max_prompt_chars)
+            ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return error_response(*status_for(e))
-        return await run(body, ids, False)
+        return await run(body, ids, chat)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        return await handle(body, _prompt_ids, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
-        try:
-            ids = _chat_ids(eng.prompt_format(body.model), body, s.max_prompt_chars)
-        except SCDError as e:
-            return error_response(*status_for(e))
-        return await run(body, ids, True)
+        return await handle(body, _chat_ids, True)
 
     return app

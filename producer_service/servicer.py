@@ -1,5 +1,6 @@
-"""Thin gRPC servicer: a client's Generate becomes a Transfer stream to the consumer, whose token
-events are relayed back."""
+"""Thin gRPC servicer: a client's Generate becomes the engine's encoded layers framed onto a Transfer
+stream to the consumer, whose token events are relayed back. Translation, relay and error mapping
+only; the engine prepares, prefills and encodes."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 
 import grpc
 
-from producer_service.engine import ProducerEngine
+from producer_service.engine import ProducerEngine, StreamStats
+from shared.config import BENCH_HOLD_METADATA
+from shared.domain import GenerateRequest, TokenEvent
 from shared.errors import PeerError
 from shared.metrics import Metrics
-from shared.rpc import scd_pb2 as pb
+from shared.rpc import convert
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.errors import grpc_errors, status_for
 from shared.rpc.security import auth_metadata
 from shared.rpc.server import OPTIONS
-from shared.rpc.wire import StreamTotals, layer_frames
+from shared.rpc.wire import StreamTotals, header_frame, layer_frames
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +50,15 @@ class ProducerServicer(pbg.ProducerServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        async with contextlib.aclosing(self.generate(request, context.time_remaining())) as events:
+        md = dict(context.invocation_metadata() or ())
+        hold = self.engine.settings.bench.hold_layers and md.get(BENCH_HOLD_METADATA) == "1"
+        events = self.generate(convert.request_from_pb(request), context.time_remaining(), hold)
+        async with contextlib.aclosing(events):
             async for ev in events:
-                yield ev
+                yield convert.event_to_pb(ev)
 
-    async def generate(self, request: pb.GenerateRequest, time_remaining: float | None = None):
+    async def generate(self, request: GenerateRequest, time_remaining: float | None = None,
+                       hold: bool = False) -> AsyncGenerator[TokenEvent, None]:
         """Token events of one request; raises domain errors (PeerError for the consumer's). Shared by
         the gRPC Generate and the HTTP front. Closing the generator (a client that went away)
         cancels the consumer's call, which frees the request there."""
@@ -60,8 +68,8 @@ class ProducerServicer(pbg.ProducerServicer):
         if method not in self.engine.settings.methods:
             method = "unknown"
         try:
-            async for ev in self._generate(request, time_remaining):
-                if ev.HasField("timings") and ev.timings.fallback_recompute:
+            async for ev in self._generate(request, time_remaining, hold):
+                if ev.timings is not None and ev.timings.fallback_recompute:
                     fallback = "recompute"
                 yield ev
             outcome = "ok"
@@ -72,50 +80,36 @@ class ProducerServicer(pbg.ProducerServicer):
             m.inflight.dec()
             m.requests.labels(method, outcome, fallback).inc()
 
-    async def _generate(self, request: pb.GenerateRequest, time_remaining: float | None):
+    async def _generate(self, request: GenerateRequest, time_remaining: float | None, hold: bool):
         eng, m = self.engine, self.metrics
         t0, t0_unix = time.perf_counter(), time.time()
         p = eng.prepare(request)
-        rid = request.request_id or uuid.uuid4().hex
         remaining = min(time_remaining or eng.settings.default_deadline_s, eng.settings.max_deadline_s)
-        totals = StreamTotals()
-        stats = {"prefill_ms": 0.0, "encode_ms": 0.0}
+        header = eng.header(p, request.request_id or uuid.uuid4().hex, t0_unix + remaining)
+        totals, stats = StreamTotals(), StreamStats()
+        sent = {"trailer": 0}
 
         async def frames():
-            yield totals.add(pb.KVFrame(header=eng.header(p, request, rid, t0_unix + remaining, t0_unix)))
-            t = time.perf_counter()
-            state = await eng.run(eng.prefill, p)
-            stats["prefill_ms"] = (time.perf_counter() - t) * 1e3
-            if p.method.transfers_layers and request.no_pipelining:  # benchmark: encode all, then send
-                held = []
-                for layer in range(eng.adapter.n_layers):
-                    tensors, ms = await eng.run(eng.encode_layer, p, state, layer)
-                    stats["encode_ms"] += ms
-                    held.extend(layer_frames(layer, tensors))
-                for f in held:
+            yield totals.add(header_frame(header))  # before the prefill: the consumer admits meanwhile
+            async for item in eng.layers(p, stats, hold):
+                for f in layer_frames(item.layer, item.tensors):
                     yield totals.add(f)
-            elif p.method.transfers_layers:
-                for layer in range(eng.adapter.n_layers):  # each layer leaves as soon as it is encoded
-                    tensors, ms = await eng.run(eng.encode_layer, p, state, layer)
-                    stats["encode_ms"] += ms
-                    for f in layer_frames(layer, tensors):
-                        yield totals.add(f)
-            del state
-            stats["trailer"] = 1
-            yield totals.add(totals.trailer(stats["encode_ms"], stats["prefill_ms"]))
+            sent["trailer"] = 1
+            yield totals.add(totals.trailer(stats.encode_ms, stats.prefill_ms))
 
-        call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining,
-                                                                  metadata=self._peer_md)
+        md = self._peer_md + (((BENCH_HOLD_METADATA, "1"),) if hold else ())
+        call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining, metadata=md or None)
         kind = p.method.kind
         ttft = None
         try:
-            async for ev in call:
+            async for pev in call:
+                ev = convert.event_from_pb(pev)
                 if ttft is None:
                     ttft = (time.perf_counter() - t0) * 1e3
                     m.ttft.labels(kind).observe(ttft / 1e3)
-                if ev.HasField("timings"):
+                if ev.timings is not None:
                     t = ev.timings
-                    t.ttft_ms, t.prefill_ms, t.encode_ms = ttft, stats["prefill_ms"], stats["encode_ms"]
+                    t.ttft_ms, t.prefill_ms, t.encode_ms = ttft, stats.prefill_ms, stats.encode_ms
                     t.wire_bytes, t.payload_bytes = totals.wire_bytes, totals.payload_bytes
                 yield ev
         except grpc.aio.AioRpcError as e:
@@ -126,6 +120,6 @@ class ProducerServicer(pbg.ProducerServicer):
             raise PeerError(code.name, f"consumer {request.consumer!r}: {msg}") from None
         finally:
             call.cancel()
-            m.frames.labels(kind).inc(1 + totals.n_chunks + stats.get("trailer", 0))  # header, chunks, trailer
+            m.frames.labels(kind).inc(1 + totals.n_chunks + sent["trailer"])  # header, chunks, trailer
             m.wire_bytes.labels(kind).inc(totals.wire_bytes)
-            m.encode.labels(kind).observe(stats["encode_ms"] / 1e3)
+            m.encode.labels(kind).observe(stats.encode_ms / 1e3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config import HTTPSettings, ModelSettings, ServerSettings, ServiceSettings, _Strict
+from shared.config import BenchSettings, HTTPSettings, ModelSettings, ServerSettings, ServiceSettings, _Strict
 from shared.rpc.security import SecuritySettings
 
 
@@ -44,6 +44,7 @@ class ProducerSettings(ServiceSettings):
     max_http_body_bytes: int = Field(1 << 20, ge=1024)
     """HTTP request bodies larger than this are refused (413) before they are parsed."""
     security: SecuritySettings = SecuritySettings()
+    bench: BenchSettings = BenchSettings()
 
     @model_validator(mode="after")
     def _default_enabled(self):

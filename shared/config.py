@@ -48,6 +48,16 @@ class HTTPSettings(_Strict):
     /health and /metrics. Consumer: /health and /metrics."""
 
 
+class BenchSettings(_Strict):
+    hold_layers: bool = False
+    """Benchmarks only: honour a request's ``scd-bench-hold: 1`` gRPC metadata, which makes the producer
+    encode every layer before it sends any and the consumer reconstruct only after the trailer (to time
+    what pipelining saves). Off in production: the protocol itself always streams per layer."""
+
+
+BENCH_HOLD_METADATA = "scd-bench-hold"
+
+
 class ServiceSettings(BaseSettings):
     """Base of ProducerSettings/ConsumerSettings: file < environment < flags."""
 

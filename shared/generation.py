@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,10 +57,10 @@ class Generator:
     """Incremental decoding over ``cache``; call ``step()`` until ``finished``."""
 
     model: ModelAdapter
-    cache: object
+    cache: Any  # a transformers Cache
     next_id: int  # the last prompt token (its K/V is not in the cache)
     sampling: Sampling
-    tokenizer: object | None
+    tokenizer: Any  # a transformers tokenizer, or None (token ids only)
     stop_ids: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)
     finished: bool = False

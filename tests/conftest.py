@@ -51,7 +51,8 @@ def tiny_artifacts(tiny_pair, tmp_path_factory):
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(24)]
     val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(4)]
-    cfg = CalibrationSettings(pair="tiny", n_prompts=20, reuse_code="separate", r_k=16, r_v=24, r_h=32, budget_k=1, pool=4, n_val=4,
+    cfg = CalibrationSettings(pair="tiny", n_prompts=20, reuse_code="separate", r_k=16, r_v=24, r_h=32, budget_k=1,
+                              pool=4, n_val=4,
                               aligner_hidden=64, aligner_steps=150, aligner_rows=900, ablations=False,
                               block_layers=0)
     out = tmp_path_factory.mktemp("store")

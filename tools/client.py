@@ -8,9 +8,12 @@ from typing import Iterator
 
 import grpc
 
+from shared.config import BENCH_HOLD_METADATA
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.server import OPTIONS
+
+BENCH_HOLD = ((BENCH_HOLD_METADATA, "1"),)  # benchmarks: encode, then reconstruct, every layer at once
 
 
 @dataclass
@@ -45,17 +48,19 @@ def channel(address: str, root_certificates: bytes | None = None) -> grpc.Channe
 
 
 def stream(address: str, req: pb.GenerateRequest, timeout: float = 120.0, token: str | None = None,
-           root_certificates: bytes | None = None) -> Iterator[pb.TokenEvent]:
-    md = (("authorization", f"Bearer {token}"),) if token else None
+           root_certificates: bytes | None = None, metadata: tuple = ()) -> Iterator[pb.TokenEvent]:
+    md = ((("authorization", f"Bearer {token}"),) if token else ()) + tuple(metadata)
     with channel(address, root_certificates) as ch:
-        yield from pbg.ProducerStub(ch).Generate(req, timeout=timeout, metadata=md)
+        yield from pbg.ProducerStub(ch).Generate(req, timeout=timeout, metadata=md or None)
 
 
 def generate(address: str, req: pb.GenerateRequest, timeout: float = 120.0, on_event=None, token: str | None = None,
-             root_certificates: bytes | None = None) -> Result:
+             root_certificates: bytes | None = None, metadata: tuple = ()) -> Result:
+    """``metadata``: extra gRPC metadata, e.g. ``BENCH_HOLD`` (honoured only by servers started with
+    ``bench.hold_layers``)."""
     res = Result()
     t0 = time.perf_counter()
-    for ev in stream(address, req, timeout, token, root_certificates):
+    for ev in stream(address, req, timeout, token, root_certificates, metadata):
         if not res.token_ids:
             res.client_ttft_ms = (time.perf_counter() - t0) * 1e3
         res.token_ids.append(ev.token_id)

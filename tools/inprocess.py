@@ -15,7 +15,7 @@ class InProcessServices:
     ``consumers`` is a list of ConsumerEngine; ``make_producer(addresses: dict[name, addr])``
     returns a ProducerEngine configured with those consumer addresses."""
 
-    def __init__(self, consumers: list, make_producer: Callable[[dict[str, str]], object]):
+    def __init__(self, consumers: list, make_producer: Callable[[dict[str, str]], object] | None):
         self._consumers, self._make_producer = consumers, make_producer
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -39,6 +39,9 @@ class InProcessServices:
             self.servers.append(srv)
             self.consumer_servers[eng.settings.name] = srv
             self.consumer_addresses[eng.settings.name] = f"127.0.0.1:{port}"
+        if self._make_producer is None:  # consumers only (tests that play the producer themselves)
+            self._servicer = None
+            return
         self.producer_engine = self._make_producer(dict(self.consumer_addresses))
         srv, self._servicer = build_producer(self.producer_engine)
         port = await srv.start()
@@ -49,7 +52,8 @@ class InProcessServices:
     async def _stop(self):
         for srv in reversed(self.servers):
             await srv.stop(0.5)
-        await self._servicer.close()
+        if self._servicer is not None:
+            await self._servicer.close()
 
     def __enter__(self):
         self._thread.start()

@@ -93,13 +93,6 @@ def load(folder: str | Path, side: str, producer_fingerprint: str | None = None,
     return meta, load_file(path)
 
 
-def describe(folder: str | Path) -> dict:
-    meta = load_meta(folder)
-    sizes = {n: (Path(folder) / n).stat().st_size for n in meta.files}
-    return {"pair": meta.pair, "patch_layers": meta.patch_layers, "patch_blocks": meta.patch_blocks, "r_k": meta.r_k, "r_v": meta.r_v,
-            "r_h": meta.r_h, "bytes": sizes, "report_keys": sorted(meta.report), "json": json.dumps(meta.calibration)}
-
-
 def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, producer_fingerprint: str,
                  consumer_fingerprint: str, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """A small JSON artifact of a baseline (e.g. DroidSpeak's recompute blocks), written atomically

@@ -15,7 +15,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -33,6 +33,34 @@ class MethodConfig(_Strict):
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
+
+    def wire_params(self) -> dict[str, str]:
+        """The settings as the wire's string map: JSON values (lists stay lists when read back)."""
+        return {k: v if isinstance(v, str) else json.dumps(v) for k, v in self.model_dump(exclude={"kind"}).items()}
+
+
+def parse_int_list(value):
+    """A list of layer indices from a list, a JSON/YAML list string or ``"3,7"``."""
+    if isinstance(value, str) and value.strip() not in ("auto", "none", ""):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [int(x) for x in text.split(",")]
+    return "none" if value == "" else value
+
+
+def parse_blocks(value):
+    """Blocks [[a, b], ...] (end exclusive) from a list, a JSON list string or ``"3-6,10-12"``."""
+    if isinstance(value, str) and value.strip() not in ("auto", ""):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        out = []
+        for part in (p for p in text.split(",") if p.strip()):
+            a, _, b = part.partition("-")
+            out.append([int(a), int(b)])
+        return out
+    return value
 
 
 @dataclass
@@ -53,22 +81,18 @@ class DecodeJob:
     start: int  # positions [0, start) come from the consumer's own native prefix
     prefix_keys: tuple[torch.Tensor, ...] = ()  # per layer [1, H, start, D], pre-RoPE
     prefix_values: tuple[torch.Tensor, ...] = ()
-    params: dict[str, str] = field(default_factory=dict)
 
     @property
     def n_transfer(self) -> int:
         return self.n_tokens - self.start
 
 
-class DecodeSession:
-    """Collects per-layer K/V and returns the cache. Subclasses override ``decode_layer``."""
+class DecodeSession(ABC):
+    """Collects per-layer K/V and returns the cache. Subclasses implement ``decode_layer``."""
 
     def __init__(self, method: "TransferMethod", job: DecodeJob):
         self.method, self.job, self.model = method, job, method.ctx.model
         self._rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def expected_layer(self) -> int:
-        return len(self._rotated)
 
     def add_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         if layer != len(self._rotated):
@@ -88,8 +112,9 @@ class DecodeSession:
             if tuple(t.shape) != want:
                 raise InvalidPayload(f"layer {layer} {name} decodes to shape {tuple(t.shape)}; expected {want}")
 
+    @abstractmethod
     def decode_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """The consumer's pre-RoPE K and V [1, H_kv, n_transfer, D] of ``layer`` from its tensors."""
 
     def finish(self):
         """The consumer's cache for positions [0, n_tokens)."""
@@ -97,8 +122,15 @@ class DecodeSession:
             raise InvalidPayload(f"stream ended after {len(self._rotated)} of {self.model.n_layers} layers")
         return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
 
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._rotated)
+
+class PerLayerSession(DecodeSession):
+    """A session for methods that rebuild each layer on its own from its tensors and the number of
+    transferred positions: ``method.decode_tensors(layer, tensors, n_transfer)``."""
+
+    method: Any
+
+    def decode_layer(self, layer, tensors):
+        return self.method.decode_tensors(layer, tensors, self.job.n_transfer)
 
 
 class TransferMethod(ABC):
@@ -110,7 +142,7 @@ class TransferMethod(ABC):
     cross_model: ClassVar[bool] = False  # maps into the consumer's space (needs the pair's artifacts)
     requires: ClassVar[frozenset[str]] = frozenset()  # "artifacts" (SCD store) and/or "profile" (a baseline's JSON)
     Config: ClassVar[type[MethodConfig]]
-    Session: ClassVar[type[DecodeSession]] = DecodeSession
+    Session: ClassVar[type[DecodeSession]]
 
     def __init__(self, cfg: MethodConfig, ctx: CodecContext):
         self.cfg, self.ctx = cfg, ctx

@@ -7,9 +7,13 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.errors import InvalidPayload
 
 
 class OracleSession(DecodeSession):
+    def decode_layer(self, layer, tensors):
+        raise InvalidPayload("the oracle transfers no layers: only the token ids cross")
+
     def finish(self):
         return self.model.own_cache(self.job.prompt_ids[: self.job.n_tokens])
 

@@ -29,7 +29,8 @@ def unpack4(p: torch.Tensor, n: int) -> torch.Tensor:
     return out[:n]
 
 
-def quantize_groups(x: torch.Tensor, bits: int, group: int, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, bits: int, group: int,
+                    axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of x [T, C] in groups of ``group`` along ``axis`` (0: groups
     of tokens per channel, KIVI's keys; 1: groups of channels per token, KIVI's values).
 

@@ -9,15 +9,10 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
 from shared.errors import InvalidPayload
 from shared.model.hf_adapter import from_rows, to_rows
-
-
-class QuantSession(DecodeSession):
-    def decode_layer(self, layer, tensors):
-        return self.method.decode_tensors(layer, tensors, self.job.n_transfer)
 
 
 class QuantKV(TransferMethod):
@@ -33,7 +28,8 @@ class QuantKV(TransferMethod):
         residual: int = Field(32, ge=0)
         """The most recent tokens sent in fp16 (KIVI's full-precision window)."""
 
-    Session = QuantSession
+    Session = PerLayerSession
+    cfg: Config
 
     def _split(self, n: int) -> int:
         """How many leading tokens are quantized: a multiple of the group, the rest stay fp16."""

@@ -29,6 +29,7 @@ class RawKV(TransferMethod):
         """Wire dtype of K and V; ``float32`` makes the transfer lossless for fp32 models."""
 
     Session = RawSession
+    cfg: Config
 
     @property
     def lossless(self) -> bool:  # type: ignore[override]

@@ -15,11 +15,15 @@ from shared.errors import ConfigError
 
 
 class RidgeMap(TransferMethod):
+    """K/V mapped into the consumer's space on the producer; the consumer uses them as they come."""
+
     kind: ClassVar[str] = "ridge"
     cross_model: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset({"profile"})
 
     class Config(MethodConfig):
+        """No settings: the maps are the pair's profile, applied as calibrated."""
+
         kind: Literal["ridge"] = "ridge"
 
     Session = RawSession

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from pydantic import field_validator
 
 from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
-from shared.codecs.base import MethodConfig, TransferMethod
+from shared.codecs.base import MethodConfig, TransferMethod, parse_int_list
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.codecs.selective_recompute import BlockSession, RecomputesBlocks
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
@@ -45,13 +46,13 @@ class PairArtifacts:
 
 
 class SCDSession(BlockSession):
-    def decode_layer(self, layer, tensors):
-        if layer in self._block_kv:
-            return self._block_kv.pop(layer)
-        block = self.method.block_at(layer)
-        if block is None:
-            return self.method.decode_tensors(layer, tensors)
-        return self.run_block(self.method._uncode(tensors, "r", self.model.hidden_size), block)
+    method: SCD
+
+    def decode_outside(self, layer, tensors):
+        return self.method.decode_tensors(layer, tensors)
+
+    def entry_state(self, tensors, block):
+        return self.method._uncode(tensors, "r", self.model.hidden_size)
 
 
 class SCD(RecomputesBlocks, TransferMethod):
@@ -62,14 +63,20 @@ class SCD(RecomputesBlocks, TransferMethod):
 
     class Config(MethodConfig):
         kind: Literal["scd"] = "scd"
-        patch_layers: str = "auto"
-        """``auto``: the layers calibration selected; ``none``: REUSE only; or a comma-separated
-        subset of the calibrated patch layers."""
+        patch_layers: Literal["auto", "none"] | list[int] = "auto"
+        """``auto``: the layers calibration selected; ``none``: REUSE only; or a subset of the
+        calibrated patch layers (``[3, 7]``; ``3,7`` on the command line)."""
         patch_blocks: Literal["auto", "none"] = "auto"
         """``auto``: the PATCH blocks calibration selected (the consumer recomputes them); ``none``:
         REUSE codes on those layers instead."""
 
+        @field_validator("patch_layers", mode="before")
+        @classmethod
+        def _layers(cls, v):
+            return parse_int_list(v)
+
     Session = SCDSession
+    cfg: Config
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
@@ -79,20 +86,17 @@ class SCD(RecomputesBlocks, TransferMethod):
         self.art, self.meta = art, art.meta
         self.patch = self._patch_set(getattr(cfg, "patch_layers", "none"))
         use_blocks = getattr(cfg, "patch_blocks", "none") == "auto"
-        self.blocks = [tuple(b) for b in self.meta.patch_blocks] if use_blocks else []
+        self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
         self.patch -= {l for a, b in self.blocks for l in range(a, b)}
         self._aligners: dict[int, Aligner] = {}
 
-    def _patch_set(self, spec: str) -> frozenset[int]:
+    def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
         have = frozenset(self.meta.patch_layers)
         if spec == "auto":
             return have
-        if spec in ("none", ""):
+        if isinstance(spec, str):  # "none"
             return frozenset()
-        try:
-            want = frozenset(int(x) for x in spec.split(","))
-        except ValueError:
-            raise InvalidRequest(f"patch_layers must be auto, none or a list like 3,7; got {spec!r}") from None
+        want = frozenset(spec)
         if not want <= have:
             raise InvalidRequest(f"patch layers {sorted(want - have)} were not calibrated; available: {sorted(have)}")
         return want
@@ -175,5 +179,5 @@ class SCDReuse(SCD):
     class Config(MethodConfig):
         kind: Literal["scd-reuse"] = "scd-reuse"
 
-    def _patch_set(self, spec: str) -> frozenset[int]:
+    def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
         return frozenset()

@@ -6,29 +6,30 @@ pair) or from the ``blocks`` setting."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from abc import abstractmethod
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import field_validator
 
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod, parse_blocks
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 
 
-def parse_blocks(spec: str, n_layers: int) -> list[tuple[int, int]]:
-    """"3-6,10-12" -> [(3, 6), (10, 12)] (end exclusive), validated and non-overlapping."""
-    blocks = []
-    for part in (p for p in spec.split(",") if p.strip()):
-        try:
-            a, b = (int(x) for x in part.split("-"))
-        except ValueError:
-            raise InvalidRequest(f"blocks must look like 3-6,10-12 (end exclusive); got {spec!r}") from None
+def check_blocks(blocks: list, n_layers: int) -> list[tuple[int, int]]:
+    """Blocks [(a, b), ...] (end exclusive), validated against the depth and non-overlapping."""
+    out = []
+    for blk in blocks:
+        if len(blk) != 2:
+            raise InvalidRequest(f"a block is [first, end) with end exclusive, e.g. [3, 6]; got {blk!r}")
+        a, b = int(blk[0]), int(blk[1])
         if not 0 <= a < b <= n_layers:
             raise InvalidRequest(f"block {a}-{b} is outside 0..{n_layers}")
-        blocks.append((a, b))
-    blocks.sort()
-    if any(b1 > a2 for (_, b1), (a2, _) in zip(blocks, blocks[1:])):
-        raise InvalidRequest(f"blocks overlap: {spec!r}")
-    return blocks
+        out.append((a, b))
+    out.sort()
+    if any(b1 > a2 for (_, b1), (a2, _) in zip(out, out[1:])):
+        raise InvalidRequest(f"blocks overlap: {blocks!r}")
+    return out
 
 
 class RecomputesBlocks:
@@ -49,9 +50,27 @@ class BlockSession(DecodeSession):
     consumer runs its own decoder layers over the producer's residual-stream state and keeps their
     K/V, which the following layers of the block then return. DroidSpeak and SCD's PATCH blocks."""
 
+    method: Any  # a TransferMethod that is also RecomputesBlocks (SCD, DroidSpeak)
+
     def __init__(self, method, job):
         super().__init__(method, job)
         self._block_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def decode_layer(self, layer, tensors):
+        if layer in self._block_kv:  # inside a block: recomputed at its entry
+            return self._block_kv.pop(layer)
+        block = self.method.block_at(layer)
+        if block is None:
+            return self.decode_outside(layer, tensors)
+        return self.run_block(self.entry_state(tensors, block), block)
+
+    @abstractmethod
+    def decode_outside(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of a layer outside every block, from its tensors."""
+
+    @abstractmethod
+    def entry_state(self, tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> torch.Tensor:
+        """The residual-stream state [n_tokens, d] a block's entry layer carries."""
 
     def run_block(self, h: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute ``block`` [a, b) from the entry state ``h`` [n_tokens, d]; the K/V of layer a."""
@@ -68,18 +87,18 @@ class BlockSession(DecodeSession):
 
 
 class DroidSpeakSession(BlockSession):
-    def decode_layer(self, layer, tensors):
-        if layer in self._block_kv:
-            return self._block_kv.pop(layer)
-        block = self.method.block_at(layer)
-        if block is None:
-            try:
-                return tensors["k"], tensors["v"]
-            except KeyError as e:
-                raise InvalidPayload(f"droidspeak layer {layer} lacks tensor {e.args[0]!r}") from None
+    method: DroidSpeak
+
+    def decode_outside(self, layer, tensors):
+        try:
+            return tensors["k"], tensors["v"]
+        except KeyError as e:
+            raise InvalidPayload(f"droidspeak layer {layer} lacks tensor {e.args[0]!r}") from None
+
+    def entry_state(self, tensors, block):
         if "h" not in tensors:
             raise InvalidPayload(f"droidspeak block {block[0]}-{block[1]} entry lacks its hidden state 'h'")
-        return self.run_block(tensors["h"], block)
+        return tensors["h"]
 
 
 class DroidSpeak(RecomputesBlocks, TransferMethod):
@@ -89,8 +108,14 @@ class DroidSpeak(RecomputesBlocks, TransferMethod):
 
     class Config(MethodConfig):
         kind: Literal["droidspeak"] = "droidspeak"
-        blocks: str = "auto"
-        """``auto``: the blocks profiled for the pair; or explicit ``a-b,c-d`` (end exclusive)."""
+        blocks: Literal["auto"] | list[list[int]] = "auto"
+        """``auto``: the blocks profiled for the pair; or explicit blocks ``[[a, b], ...]`` (end
+        exclusive; ``a-b,c-d`` on the command line)."""
+
+        @field_validator("blocks", mode="before")
+        @classmethod
+        def _blocks(cls, v):
+            return parse_blocks(v)
 
     Session = DroidSpeakSession
 
@@ -102,9 +127,9 @@ class DroidSpeak(RecomputesBlocks, TransferMethod):
             if prof is None:
                 raise ConfigError("droidspeak needs the pair's profiled blocks (scd calibrate --method droidspeak) "
                                   "or an explicit blocks setting")
-            self.blocks = [tuple(b) for b in prof["blocks"]]
+            self.blocks = [(int(a), int(b)) for a, b in prof["blocks"]]
         else:
-            self.blocks = parse_blocks(cfg.blocks, n)
+            self.blocks = check_blocks(cfg.blocks, n)
 
     def encode_layer(self, state, layer, start):
         block = self.block_at(layer)

@@ -14,7 +14,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
+from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
 from shared.errors import ConfigError, InvalidPayload
 from shared.model.hf_adapter import from_rows, to_rows
@@ -56,12 +56,9 @@ def allocate(importance: torch.Tensor, protected: int, budget: float, int4: bool
     return tiers
 
 
-class SpectrumSession(DecodeSession):
-    def decode_layer(self, layer, tensors):
-        return self.method.decode_tensors(layer, tensors, self.job.n_transfer)
-
-
 class SpectrumKV(TransferMethod):
+    """Per-token precision (fp16 / int8 / int4) by the attention each token receives."""
+
     kind: ClassVar[str] = "spectrum"
     compressive: ClassVar[bool] = True
     requires: ClassVar[frozenset[str]] = frozenset({"profile"})
@@ -81,7 +78,8 @@ class SpectrumKV(TransferMethod):
         group_size: int = Field(32, gt=0)
         """Channels per quantization group (per token)."""
 
-    Session = SpectrumSession
+    Session = PerLayerSession
+    cfg: Config
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)

@@ -19,7 +19,7 @@ import contextlib
 import copy
 import inspect
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -224,7 +224,8 @@ class ModelAdapter:
     @staticmethod
     def cache_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values held by ``cache`` at ``layer``."""
-        return cache.layers[layer].keys, cache.layers[layer].values
+        lay: Any = cache.layers[layer]
+        return lay.keys, lay.values
 
     @torch.inference_mode()
     def regenerate_kv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

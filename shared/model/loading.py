@@ -144,7 +144,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
             model = PeftModel.from_pretrained(model, adapter, use_safetensors=True).merge_and_unload()
         except (ValueError, KeyError, RuntimeError) as e:
             raise ModelFolderError(f"adapter {adapter} does not fit the model in {path}: {e}") from None
-    model = model.to(device).eval()
+    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers' typed wrapper
     if fingerprint:
         model.scd_fingerprint = folder_fingerprint(path, adapter)
     return model

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -28,6 +30,7 @@ def tiny_config(family: str = "llama", n_layers: int = 4, vocab_size: int = 256,
     import transformers as tf
 
     kw = dict(_COMMON, num_hidden_layers=n_layers, vocab_size=vocab_size)
+    cfg: Any
     if family == "llama":
         cfg = tf.LlamaConfig(**kw)
     elif family == "mistral":

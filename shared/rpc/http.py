@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 
 import grpc
 import uvicorn
@@ -96,7 +97,7 @@ class HTTPServer:
                           "server using it?") from None
         self.port = sock.getsockname()[1]
         s = self.security
-        kw = {}
+        kw: dict[str, Any] = {}
         if s.tls:
             import ssl
 
@@ -118,7 +119,7 @@ class HTTPServer:
         return self.port
 
     async def stop(self) -> None:
-        if self._server is None:
+        if self._server is None or self._task is None:
             return
         self._server.should_exit = True
         try:

@@ -21,7 +21,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "consumer", "method", "method_params", "sampling", "native_prefix", "request_id", "no_pipelining")
+    __slots__ = ("text", "token_ids", "consumer", "method", "method_params", "sampling", "native_prefix", "request_id")
     class MethodParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,7 +37,6 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NATIVE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NO_PIPELINING_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     consumer: str
@@ -46,8 +45,7 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     native_prefix: bool
     request_id: str
-    no_pipelining: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., consumer: _Optional[str] = ..., method: _Optional[str] = ..., method_params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., request_id: _Optional[str] = ..., no_pipelining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., consumer: _Optional[str] = ..., method: _Optional[str] = ..., method_params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -102,7 +100,7 @@ class TokenEvent(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("request_id", "method", "method_version", "protocol_version", "pair_fingerprint", "n_layers", "n_tokens", "dtype", "prompt_ids", "params", "sampling", "native_prefix", "prefix_len", "consumer", "deadline_unix", "t_request_unix", "no_pipelining")
+    __slots__ = ("request_id", "method", "method_version", "protocol_version", "pair_fingerprint", "n_layers", "n_tokens", "prompt_ids", "params", "sampling", "native_prefix", "prefix_len", "consumer", "deadline_unix")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,7 +115,6 @@ class Header(_message.Message):
     PAIR_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
     N_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -125,8 +122,6 @@ class Header(_message.Message):
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
-    T_REQUEST_UNIX_FIELD_NUMBER: _ClassVar[int]
-    NO_PIPELINING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     method: str
     method_version: int
@@ -134,7 +129,6 @@ class Header(_message.Message):
     pair_fingerprint: str
     n_layers: int
     n_tokens: int
-    dtype: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _containers.ScalarMap[str, str]
     sampling: SamplingParams
@@ -142,9 +136,7 @@ class Header(_message.Message):
     prefix_len: int
     consumer: str
     deadline_unix: float
-    t_request_unix: float
-    no_pipelining: bool
-    def __init__(self, request_id: _Optional[str] = ..., method: _Optional[str] = ..., method_version: _Optional[int] = ..., protocol_version: _Optional[int] = ..., pair_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., n_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., prefix_len: _Optional[int] = ..., consumer: _Optional[str] = ..., deadline_unix: _Optional[float] = ..., t_request_unix: _Optional[float] = ..., no_pipelining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., method: _Optional[str] = ..., method_version: _Optional[int] = ..., protocol_version: _Optional[int] = ..., pair_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., n_tokens: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., prefix_len: _Optional[int] = ..., consumer: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "layer", "dtype", "shape", "offset", "raw_size", "data", "crc32c", "last", "layer_done")

@@ -62,7 +62,7 @@ class SecuritySettings(BaseModel):
         return bool(self.tls_cert)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
-        if not self.tls:
+        if not self.tls or self.tls_key is None or self.tls_cert is None:
             return None
         pair = [(_read(self.tls_key, "tls_key"), _read(self.tls_cert, "tls_cert"))]
         if self.tls_client_ca:

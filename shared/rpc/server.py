@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +29,8 @@ class GRPCServer:
         self._interceptors, self._credentials = list(interceptors), credentials
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.servicer: object = None  # the service's servicer (tests inspect its metrics and admission)
+        self.http: Any = None  # the HTTP front (shared.rpc.http.HTTPServer) when http.port is set
         self.on_start: list = []  # coroutine functions run once the gRPC server serves (e.g. an HTTP front)
         self.on_stop: list = []  # coroutine functions run after the gRPC server stopped
 

@@ -21,8 +21,10 @@ import google_crc32c
 import lz4.frame
 import torch
 
+from shared.domain import HeaderReceived, LayerReceived, StreamEvent, StreamHeader, TrailerReceived
 from shared.errors import DataLoss, InvalidPayload
 from shared.rpc import scd_pb2 as pb
+from shared.rpc.convert import header_from_pb, header_to_pb
 
 PROTOCOL_VERSION = 1
 CHUNK_BYTES = 1 << 20  # uncompressed bytes per chunk; the compressed message stays under ~1 MiB
@@ -64,6 +66,10 @@ def tensor_chunks(
             name=name, layer=layer, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=i * chunk_bytes,
             raw_size=len(part), data=lz4.frame.compress(part), last=i == n - 1,
         ), part
+
+
+def header_frame(h: StreamHeader) -> pb.KVFrame:
+    return pb.KVFrame(header=header_to_pb(h))
 
 
 def layer_frames(layer: int, tensors: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> list[pb.KVFrame]:
@@ -111,6 +117,7 @@ class Limits:
     max_layers: int = 1024
     max_tensors_per_layer: int = 64
     max_ndim: int = 6
+    max_stream_bytes: int = 4 << 30  # uncompressed payload bytes of one stream
 
 
 class _Partial:
@@ -125,18 +132,18 @@ class _Partial:
 class FrameDecoder:
     """Consumer-side state machine over one request's frames.
 
-    ``feed(frame)`` returns ``("header", Header)``, ``("layer", (index, tensors))`` when a layer is
-    complete, ``("trailer", Trailer)`` at the end, or ``None`` for a chunk inside a layer."""
+    ``feed(frame)`` returns ``HeaderReceived`` for the header, ``LayerReceived`` when a layer is
+    complete, ``TrailerReceived`` at the end, or ``None`` for a chunk inside a layer."""
 
     def __init__(self, limits: Limits = Limits(), n_layers: int | None = None):
         self.limits, self.n_layers = limits, n_layers
-        self.header: pb.Header | None = None
+        self.header: StreamHeader | None = None
         self.layer = 0  # the layer whose chunks are arriving
         self.done = False
         self._tensors: dict[str, _Partial] = {}
         self._totals = StreamTotals()
 
-    def feed(self, frame: pb.KVFrame):
+    def feed(self, frame: pb.KVFrame) -> StreamEvent | None:
         kind = frame.WhichOneof("body")
         if self.done:
             raise InvalidPayload("frame received after the trailer")
@@ -145,19 +152,25 @@ class FrameDecoder:
         if kind == "header":
             if self.header is not None:
                 raise InvalidPayload("a second header arrived; one request carries one header")
-            self.header = frame.header
-            if self.header.n_layers > self.limits.max_layers:
-                raise InvalidPayload(f"header declares {self.header.n_layers} layers; at most {self.limits.max_layers}")
-            return "header", frame.header
+            if frame.header.n_layers > self.limits.max_layers:
+                raise InvalidPayload(f"header declares {frame.header.n_layers} layers; at most "
+                                     f"{self.limits.max_layers}")
+            self.header = header_from_pb(frame.header)
+            return HeaderReceived(self.header)
         if self.header is None:
             raise InvalidPayload(f"a {kind} arrived before the header; the header must come first")
         if kind == "trailer":
-            return "trailer", self._trailer(frame.trailer)
+            self._trailer(frame.trailer)
+            return TrailerReceived()
         self._totals.add(frame)
+        if self._totals.raw_bytes > self.limits.max_stream_bytes:  # bounded before anything is allocated
+            raise InvalidPayload(f"stream carries more than {self.limits.max_stream_bytes:,} payload bytes "
+                                 "(max_stream_bytes)")
         return self._chunk(frame.chunk)
 
     def _chunk(self, c: pb.TensorChunk):
         lim = self.limits
+        assert self.header is not None  # feed() refuses chunks before the header
         n_layers = self.n_layers if self.n_layers is not None else self.header.n_layers
         if c.layer != self.layer:
             raise InvalidPayload(f"chunk for layer {c.layer} arrived while layer {self.layer} was open; "
@@ -206,7 +219,7 @@ class FrameDecoder:
                    torch.empty(p.shape, dtype=p.dtype) for n, p in self._tensors.items()}
         self._tensors = {}
         self.layer += 1
-        return "layer", (c.layer, tensors)
+        return LayerReceived(c.layer, tensors)
 
     def _trailer(self, t: pb.Trailer) -> pb.Trailer:
         if self._tensors:

@@ -24,12 +24,13 @@ PROMPT = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(9)
 @pytest.fixture(scope="module")
 def services():
     base = tiny_model("llama", n_layers=4)
-    cs = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name="c", methods=["oracle", "raw"])
+    cs = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name="c", methods=["oracle", "raw"],
+                               bench={"hold_layers": True})
     consumer = ConsumerEngine(cs, perturbed(base, 0.2))
 
     def make_producer(addresses):
         s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
-                                  methods=["oracle", "raw"], prefill_cache_entries=2,
+                                  methods=["oracle", "raw"], prefill_cache_entries=2, bench={"hold_layers": True},
                                   consumers={n: {"address": a} for n, a in addresses.items()})
         return ProducerEngine(s, base)
 
@@ -39,8 +40,7 @@ def services():
 
 def _gen(svc, prompt=PROMPT, no_pipelining=False, **kw):
     req = client.request(prompt, "c", kw.pop("method", "raw"), max_new_tokens=kw.pop("n", 6), **kw)
-    req.no_pipelining = no_pipelining
-    return client.generate(svc.producer_address, req, timeout=60)
+    return client.generate(svc.producer_address, req, timeout=60, metadata=client.BENCH_HOLD if no_pipelining else ())
 
 
 def test_prefill_cache_serves_a_repeated_prompt_identically(services):
@@ -63,14 +63,38 @@ def test_prefill_cache_off_by_default():
     assert ProducerSettings.load(model={"path": "unused"}).prefill_cache_entries == 0
 
 
-def test_no_pipelining_gives_the_same_tokens_and_bytes(services):
+def test_no_pipelining_gives_the_same_tokens_and_bytes(services, monkeypatch):
+    eng = services.producer_engine
+    seen = []
+    layers = eng.layers
+    monkeypatch.setattr(eng, "layers", lambda p, stats, hold=False: seen.append(hold) or layers(p, stats, hold))
     piped = _gen(services, method_params={"dtype": "float32"})
     held = _gen(services, method_params={"dtype": "float32"}, no_pipelining=True)
+    assert seen == [False, True]
     assert held.token_ids == piped.token_ids
     assert held.timings.payload_bytes == piped.timings.payload_bytes > 0
-    assert 0 < held.timings.wire_bytes - piped.timings.wire_bytes <= 8  # only the header's flag differs
+    assert held.timings.wire_bytes == piped.timings.wire_bytes  # the protocol does not carry the bench switch
     oracle = _gen(services, method="oracle", no_pipelining=True)
     assert len(oracle.token_ids) == 6 and oracle.timings.payload_bytes == 0
+
+
+def test_bench_hold_is_ignored_unless_the_server_enables_it(monkeypatch):
+    """In production (bench.hold_layers off) a client cannot make the services hold layers."""
+    base = tiny_model("llama", n_layers=2)
+    cs = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name="c", methods=["raw"])
+
+    def make_producer(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw", methods=["raw"],
+                                  consumers={n: {"address": a} for n, a in addresses.items()})
+        return ProducerEngine(s, base)
+
+    with InProcessServices([ConsumerEngine(cs, base)], make_producer) as svc:
+        seen = []
+        layers = svc.producer_engine.layers
+        monkeypatch.setattr(svc.producer_engine, "layers",
+                            lambda p, stats, hold=False: seen.append(hold) or layers(p, stats, hold))
+        _gen(svc, no_pipelining=True)
+        assert seen == [False]
 
 
 # ------------------------------------------------------------------ scd bench over network namespaces
@@ -122,7 +146,7 @@ def test_bench_smallest_form(tiny_dirs, tmp_path):
     line = json.loads(stdout.strip().splitlines()[-1])
     res = json.loads(out.read_text())
     assert set(line["methods"]) == set(res["methods"]) == {"oracle", "raw"}
-    for m, v in res["methods"].items():
+    for v in res["methods"].values():
         assert {"warm_ttft_ms", "cold_ttft_ms", "bytes", "floor_ms", "link_mbit"} <= set(v)
         assert v["link_mbit"] == 100 and v["warm_ttft_ms"] > 0 and v["cold_ttft_ms"] > 0
         assert v["floor_ms"] > v["bytes"] * 8 / 100e3  # bytes / rate, plus a decode step

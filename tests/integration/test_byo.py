@@ -78,8 +78,8 @@ def test_bring_your_own_pair_end_to_end(byo_pair, tmp_path):
     d = byo_pair
     out = scd("pair", "add", "my-pair", "--producer", d["producer"], "--consumer", d["consumer"], env=env)
     assert "registered pair 'my-pair'" in out.stdout
-    small = ["--set", "n_prompts=16", "--set", "max_prompt_tokens=512", "--set", "n_val=6", "--set", "aligner_steps=120",
-             "--set", "pool=3", "--set", "budget_k=1", "--set", "ablations=false"]
+    small = ["--set", "n_prompts=16", "--set", "max_prompt_tokens=512", "--set", "n_val=6", "--set",
+             "aligner_steps=120", "--set", "pool=3", "--set", "budget_k=1", "--set", "ablations=false"]
     cal = scd("calibrate", "--pair", "my-pair", "--data", str(d["data"]), "-q", *small, env=env)
     report = json.loads(cal.stdout.strip().splitlines()[-1])
     assert report["peak_rss_mb"]["total"] < 4096

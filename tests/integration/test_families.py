@@ -19,7 +19,7 @@ from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter, clone_cache
 from shared.model.tiny import FAMILIES, perturbed, tiny_model
 from tools import client
-from tools.eval.harness import Context, codec_method, oracle
+from tools.eval.harness import Context, codec_method
 from tools.inprocess import InProcessServices
 
 METHODS = sorted(CODECS)
@@ -41,7 +41,7 @@ def _in_process(kind, producer, consumer, pctx, cctx):
     from tools.data import Item
 
     item = Item(id="p", kind="user", prompt_ids=PROMPT, prefix_len=0)
-    run = oracle if kind == "oracle" else codec_method(kind, pctx, cctx)
+    run = codec_method(kind, pctx, cctx)
     ctx = Context(item, producer.prefill(PROMPT[:-1], hidden_layers=getattr(run, "hidden_layers", ()),
                                          residual_layers=getattr(run, "residual_layers", ())),
                   consumer.prefill(PROMPT[:-1]), 0)

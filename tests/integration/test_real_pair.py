@@ -3,12 +3,13 @@ identical models, and the strong consumer really drifts."""
 
 import pytest
 
+from shared.codecs import CodecContext
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.prompt import PromptFormat
 from tools import data
 from tools.assets.models import consumer_dir, load_model, producer_dir
-from tools.eval.harness import evaluate, oracle, raw
+from tools.eval.harness import evaluate, methods
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def _kv(state):
 
 def test_raw_between_identical_models_is_exact(producer, tokenizer):
     items = data.load("qa", "test", 1)
-    res = evaluate(producer, producer, PromptFormat(tokenizer), items, {"oracle": oracle, "raw": raw}, True,
+    lossless = methods(("oracle", "raw"), CodecContext(producer), CodecContext(producer), {"raw": {"dtype": "float32"}})
+    res = evaluate(producer, producer, PromptFormat(tokenizer), items, lossless, True,
                    max_new_tokens=8, progress=False)
     assert res["methods"]["raw"]["kl"] < 1e-6
     assert res["methods"]["raw"]["agree_f1"] == 1.0
@@ -49,7 +51,8 @@ def test_raw_between_identical_models_is_exact(producer, tokenizer):
 
 def test_strong_pair_drifts(producer, strong, tokenizer):
     items = data.load("qa", "test", 2)
-    res = evaluate(producer, strong, PromptFormat(tokenizer), items, {"oracle": oracle, "raw": raw}, False,
+    runners = methods(("oracle", "raw"), CodecContext(producer), CodecContext(strong))
+    res = evaluate(producer, strong, PromptFormat(tokenizer), items, runners, False,
                    max_new_tokens=8, progress=False)
     assert res["methods"]["oracle"]["kl"] == 0.0
     assert res["methods"]["raw"]["kl"] > 0.02, res["methods"]["raw"]

@@ -94,7 +94,8 @@ BAD = [
     Bad("unknown method", dict(consumer="same", method="magic"), grpc.StatusCode.NOT_FOUND, "magic"),
     Bad("bad method setting", dict(consumer="same", method="raw", method_params={"dtype": "int3"}),
         grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
-    Bad("negative temperature", dict(consumer="same", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    Bad("negative temperature", dict(consumer="same", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature"),
     Bad("top_p above 1", dict(consumer="same", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     Bad("too many new tokens", dict(consumer="same", max_new_tokens=100000), grpc.StatusCode.INVALID_ARGUMENT,
         "max_new_tokens"),
@@ -107,7 +108,8 @@ BAD = [
 def test_bad_input_gets_clear_status_and_service_keeps_serving(services, case):
     with pytest.raises(grpc.RpcError) as ei:
         _gen(services, **case.kwargs)
-    assert ei.value.code() == case.code, f"{case.info}: expected {case.code}, got {ei.value.code()}: {ei.value.details()}"
+    assert ei.value.code() == case.code, \
+        f"{case.info}: expected {case.code}, got {ei.value.code()}: {ei.value.details()}"
     assert case.says in ei.value.details(), ei.value.details()
     ok = _gen(services, consumer="same", method="raw", max_new_tokens=2)
     assert len(ok.token_ids) == 2

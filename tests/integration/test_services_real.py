@@ -20,11 +20,13 @@ def services(real_assets, tokenizer):
     cons = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="strong", server={"port": 0},
                                                 artifact_store=str(STORE_DIR)),
                           load_model(consumer_dir("strong")), tokenizer)
-    same = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="base", server={"port": 0}, methods=["oracle", "raw"]), base, tokenizer)
+    same = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, name="base", server={"port": 0},
+                                                methods=["oracle", "raw"]), base, tokenizer)
 
     def make_producer(addrs):
         s = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, default_method="raw", consumers={
-            n: {"address": a, **({"artifacts": str(STORE_DIR / n)} if n == "strong" else {})} for n, a in addrs.items()})
+            n: {"address": a, **({"artifacts": str(STORE_DIR / n)} if n == "strong" else {})}
+            for n, a in addrs.items()})
         return ProducerEngine(s, base, tokenizer)
 
     with InProcessServices([cons, same], make_producer) as svc:
@@ -47,7 +49,8 @@ def test_native_prefix_cuts_the_payload_and_oracle_matches_local(services, token
     off = client.generate(services.producer_address,
                           client.request(item.prompt_ids, "strong", "raw", max_new_tokens=4, native_prefix=False))
     assert on.timings.payload_bytes < off.timings.payload_bytes
-    ora = client.generate(services.producer_address, client.request(item.prompt_ids, "strong", "oracle", max_new_tokens=6))
+    ora = client.generate(services.producer_address,
+                          client.request(item.prompt_ids, "strong", "oracle", max_new_tokens=6))
     local = ModelAdapter(load_model(consumer_dir("strong")))
     ref = local.greedy(local.own_cache(item.prompt_ids[:-1]), item.prompt_ids[-1], 6)
     stop = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}

@@ -42,7 +42,6 @@ def test_rewrite_is_atomic_and_leaves_no_temp(tmp_path):
 
 
 def test_greedy_respects_budget_and_stops_without_gain():
-    kl = {frozenset(): 1.0}
     gains = {0: 0.1, 1: 0.5, 2: 0.0, 3: 0.2}
     f = lambda s: 1.0 - sum(gains[l] for l in s)  # noqa: E731
     sens = restore_one([0, 1, 2, 3], 1.0, f, progress=False)

@@ -1,5 +1,6 @@
 """Every registered transfer method honours the same contract (parametrised over CODECS)."""
 
+import dataclasses
 from typing import get_args
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from shared.artifacts import store
 from shared.codecs import CODECS, CodecConfig, CodecContext, DecodeJob, make_method
 from shared.codecs.scd import PairArtifacts
+from shared.domain import LayerReceived
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import FrameDecoder, StreamTotals, layer_frames
 
@@ -47,9 +49,10 @@ def _transfer(kind, pctx, cctx, start=0, params=None):
             encoded.append(tensors)
             for f in layer_frames(layer, tensors):
                 out = fd.feed(totals.add(f))
-            assert out[0] == "layer"
-            got = out[1][1]
-            assert {k: (v.dtype, v.shape) for k, v in got.items()} == {k: (v.dtype, v.shape) for k, v in tensors.items()}
+            assert isinstance(out, LayerReceived) and out.layer == layer
+            got = out.tensors
+            assert {k: (v.dtype, v.shape) for k, v in got.items()} == \
+                {k: (v.dtype, v.shape) for k, v in tensors.items()}
             session.add_layer(layer, got)
     fd.feed(totals.trailer())
     return session.finish(), totals.payload_bytes, encoded
@@ -123,21 +126,21 @@ def test_wrong_method_version_and_fingerprint_are_refused(tiny_pair):
     from consumer_service.engine import ConsumerEngine
     from consumer_service.settings import ConsumerSettings
     from shared.errors import FingerprintMismatch, PreconditionFailed
+    from shared.rpc.convert import header_from_pb
     from shared.rpc.wire import PROTOCOL_VERSION
 
     _, consumer = tiny_pair
-    eng = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, producer_fingerprint="abc", methods=["raw"]), consumer.model)
-    h = pb.Header(method="raw", method_version=1, protocol_version=PROTOCOL_VERSION, pair_fingerprint="abc:raw",
-                  n_layers=consumer.n_layers, n_tokens=len(IDS) - 1, prompt_ids=IDS)
+    eng = ConsumerEngine(ConsumerSettings.load(model={"path": "-"}, producer_fingerprint="abc", methods=["raw"]),
+                         consumer.model)
+    h = header_from_pb(pb.Header(method="raw", method_version=1, protocol_version=PROTOCOL_VERSION,
+                                 pair_fingerprint="abc:raw", n_layers=consumer.n_layers, n_tokens=len(IDS) - 1,
+                                 prompt_ids=IDS))
     eng.open(h)
     for field, value, exc, says in (("method_version", 99, PreconditionFailed, "update the consumer"),
                                     ("protocol_version", 99, PreconditionFailed, "update the consumer"),
                                     ("pair_fingerprint", "zzz:raw", FingerprintMismatch, "recalibrate")):
-        bad = pb.Header()
-        bad.CopyFrom(h)
-        setattr(bad, field, value)
         with pytest.raises(exc, match=says):
-            eng.open(bad)
+            eng.open(dataclasses.replace(h, **{field: value}))
     eng.close()
 
 
@@ -153,7 +156,8 @@ def test_droidspeak_recompute_is_exact_between_identical_models(contexts):
     cache, nbytes, _ = _transfer("droidspeak", same, same, params={"blocks": "1-3"})
     native = same.model.own_cache(IDS[:-1])
     for layer in (1, 2):
-        err = float((cache.layers[layer].values - native.layers[layer].values).norm() / native.layers[layer].values.norm())
+        want = native.layers[layer].values
+        err = float((cache.layers[layer].values - want).norm() / want.norm())
         assert err < 5e-3, err
 
 
@@ -207,6 +211,7 @@ def test_ridge_calibration_reduces_validation_kl_and_maps_from_top_k_layers(tiny
 def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
     """A consumer whose layer-3 V is an exact linear function of the producer's layer-3 K/V per head
     is mapped almost exactly."""
+    from shared.codecs import ridge as ridge_codec
     from tools.calibration import ridge
 
     producer, _ = tiny_pair
@@ -231,7 +236,7 @@ def test_ridge_recovers_a_planted_per_head_linear_map(tiny_pair):
     assert ranking[3][0] == 3 and r2[3] > 0.999
     ids = prompts[0][:-1]
     s, t = producer.prefill(ids), Planted().prefill(ids)
-    k, v = ridge.apply(tensors, s.keys, s.values, 3, 0, D)
+    k, v = ridge_codec.apply(tensors, s.keys, s.values, 3, 0, D)
     assert float((v - t.values[3]).norm() / t.values[3].norm()) < 0.02
 
 
@@ -260,7 +265,8 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
     _, ct = store.load(folder, "consumer")
     assert meta.reuse_code == "joint" and meta.r_kv == 40 and "enc.kv.0" in pt and "dec.kv.0" in ct
     assert report["validation"]["reuse_only_kl"] < report["validation"]["raw_kl"]
-    pctx, cctx = CodecContext(producer, PairArtifacts(meta, pt, "producer")), CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
+    pctx = CodecContext(producer, PairArtifacts(meta, pt, "producer"))
+    cctx = CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
     cache, nbytes, enc = _transfer("scd", pctx, cctx)
     assert set(enc[0]) == {"zkv", "zkv_scale"} and enc[0]["zkv"].shape == (len(IDS) - 1, 40)
     raw, raw_bytes, _ = _transfer("raw", pctx, cctx, params={"dtype": "float32"})
@@ -272,7 +278,8 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
 
     assert err(cache) < err(raw)
     with pytest.raises(ValueError, match="r_kv=999"):
-        calibrate(producer, consumer, prompts, val, cfg.model_copy(update={"r_kv": 999}), str(tmp_path), "x", progress=False)
+        calibrate(producer, consumer, prompts, val, cfg.model_copy(update={"r_kv": 999}), str(tmp_path), "x",
+                  progress=False)
 
 
 def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair, tmp_path):
@@ -293,7 +300,8 @@ def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair,
     lengths = {x["layers"]: x for x in report["ablation_block_length"]}
     assert lengths[2]["block"] == [a, b] and lengths[2]["kl"] == pytest.approx(report["validation"]["block_kl"])
     assert all(x["block"][1] <= producer.n_layers for x in lengths.values())
-    pctx, cctx = CodecContext(producer, PairArtifacts(meta, pt, "producer")), CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
+    pctx = CodecContext(producer, PairArtifacts(meta, pt, "producer"))
+    cctx = CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
     cache, nbytes, enc = _transfer("scd", pctx, cctx)
     assert set(enc[a]) == {"r", "r_scale"} and enc[a]["r"].shape == (len(IDS) - 1, producer.hidden_size)
     assert all(set(enc[l]) == {"skip"} for l in range(a + 1, b))

@@ -96,7 +96,8 @@ def test_qwen3_keys_include_the_key_norm():
     assert not torch.allclose(state.keys[0], plain)
 
 
-@pytest.mark.parametrize("model_type,why", [("gemma3_text", "RoPE"), ("gpt2", "k_proj"), ("bert", "supported families")])
+@pytest.mark.parametrize("model_type,why", [("gemma3_text", "RoPE"), ("gpt2", "k_proj"),
+                                            ("bert", "supported families")])
 def test_unsupported_family_refused(model_type, why):
     from shared.model.hf_adapter import check_supported
 

@@ -36,7 +36,8 @@ def folders(tmp_path_factory):
            "other_vocab": save_pretrained(perturbed(base, 0.2), root / "other_vocab", tiny_tokenizer(seed=3))}
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(tiny_model("llama", n_layers=2), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    lora = get_peft_model(tiny_model("llama", n_layers=2),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         for n, p in lora.named_parameters():
             if "lora_B" in n:
@@ -112,12 +113,15 @@ def test_fingerprint_does_not_depend_on_load_dtype(folders):
 
 
 @pytest.mark.parametrize("case,kwargs,match", [
-    ("family", dict(producer="producer", consumer="qwen"), "architecture family differs: producer 'llama', consumer 'qwen2'"),
+    ("family", dict(producer="producer", consumer="qwen"),
+     "architecture family differs: producer 'llama', consumer 'qwen2'"),
     ("layers", dict(producer="producer", consumer="deeper"), "layer count differs: producer 2, consumer 3"),
     ("vocab", dict(producer="producer", consumer="other_vocab"), "tokenizer vocabularies differ"),
-    ("unsupported", dict(producer="gpt2", consumer="consumer"), "model_type 'gpt2' is not supported .*supported families"),
+    ("unsupported", dict(producer="gpt2", consumer="consumer"),
+     "model_type 'gpt2' is not supported .*supported families"),
     ("pickle", dict(producer="pickled", consumer="consumer"), "only pickled weights .*never unpickled"),
-    ("missing", dict(producer="producer", consumer="/nonexistent/folder"), "consumer folder /nonexistent/folder does not exist"),
+    ("missing", dict(producer="producer", consumer="/nonexistent/folder"),
+     "consumer folder /nonexistent/folder does not exist"),
     ("adapter base", dict(producer="producer", adapter="wide_adapter"), "does not fit"),
     ("adapter missing", dict(producer="producer", adapter="consumer"), "has no adapter_config.json"),
     ("both", dict(producer="producer", consumer="consumer", adapter="adapter"), "exactly one of"),

@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared.domain import HeaderReceived, LayerReceived, TrailerReceived
 from shared.errors import DataLoss, InvalidPayload
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import DTYPES, FrameDecoder, Limits, StreamTotals, layer_frames
@@ -22,14 +23,15 @@ def _decode(frames, **kw):
     dec, out = FrameDecoder(**kw), []
     for f in frames:
         r = dec.feed(f)
-        if r and r[0] == "layer":
-            out.append(r[1][1])
+        if isinstance(r, LayerReceived):
+            out.append(r.tensors)
     return out, dec
 
 
 def _layers(n=3):
     g = torch.Generator().manual_seed(0)
-    return [{"k": torch.randn(1, 2, 50, 16, generator=g), "v": torch.randn(1, 2, 50, 16, generator=g)} for _ in range(n)]
+    return [{"k": torch.randn(1, 2, 50, 16, generator=g), "v": torch.randn(1, 2, 50, 16, generator=g)}
+            for _ in range(n)]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()))
@@ -121,7 +123,7 @@ def test_arbitrary_bytes_never_crash(data):
         r = dec.feed(frame)
     except (InvalidPayload, DataLoss):
         return
-    assert r is None or r[0] in ("header", "layer", "trailer")
+    assert r is None or isinstance(r, (HeaderReceived, LayerReceived, TrailerReceived))
 
 
 @settings(max_examples=150, deadline=None)

@@ -116,7 +116,8 @@ def _recipe(adapter: Path) -> dict:
 
 def _recipe_matches(out: Path, adapter: Path) -> bool:
     f = out / "scd_recipe.json"
-    return f.exists() and (adapter / "adapter_model.safetensors").exists() and json.loads(f.read_text()) == _recipe(adapter)
+    return (f.exists() and (adapter / "adapter_model.safetensors").exists()
+            and json.loads(f.read_text()) == _recipe(adapter))
 
 
 def load_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, adapter: Path | None = None):

@@ -99,7 +99,8 @@ def load() -> Registry:
     try:
         reg = Registry.model_validate_json(path.read_text())
     except ValueError as e:
-        raise RegistryError(f"pair registry {path} cannot be read ({str(e).splitlines()[0]}); fix or delete it") from None
+        raise RegistryError(f"pair registry {path} cannot be read ({str(e).splitlines()[0]}); fix or delete "
+                            "it") from None
     if reg.format_version != FORMAT_VERSION:
         raise RegistryError(f"pair registry {path} has format {reg.format_version}; this build reads {FORMAT_VERSION}")
     return reg

@@ -50,7 +50,8 @@ def png(res: dict, path: Path) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, n in zip(axes[0], tokens):
         for i, m in enumerate(c["methods"]):
-            rows = sorted((r for r in res["rows"] if r["tokens"] == n and r["method"] == m), key=lambda r: r["link_mbit"])
+            rows = sorted((r for r in res["rows"] if r["tokens"] == n and r["method"] == m),
+                          key=lambda r: r["link_mbit"])
             if not rows:
                 continue
             x = [r["link_mbit"] for r in rows]
@@ -69,7 +70,8 @@ def png(res: dict, path: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(6, len(labels)), frameon=False)
-    fig.suptitle(f"TTFT vs link rate, pair {c['pair']}, {c['device']}, {c['threads_per_service']} thread(s) per service\n"
+    fig.suptitle(f"TTFT vs link rate, pair {c['pair']}, {c['device']}, {c['threads_per_service']} thread(s) per "
+                 "service\n"
                  "warm: the producer holds the prefill; cold: it prefills first; floor: bytes / rate + one decode step",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.04 + 0.035 * ((len(labels) - 1) // 6), 1, 1))

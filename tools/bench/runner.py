@@ -6,7 +6,8 @@ For each link rate, prompt length and method, real requests go through the produ
 - **warm**: the same prompt, already prefilled once by the producer (its prefill cache holds the
   state: one base prefill serving many consumers); the producer only encodes and streams.
 - **cold**: a prompt the producer has never seen (distinct per request): prefill, then stream.
-- **no pipelining**: the warm request with ``no_pipelining``: the producer encodes every layer before
+- **no pipelining**: the warm request with the ``scd-bench-hold`` metadata (the services run with
+  ``bench.hold_layers``): the producer encodes every layer before
   sending a frame, and the consumer reconstructs only after the trailer (same payload, same link).
 
 The Oracle sends token ids only and the consumer prefills itself, so its warm and cold are the same
@@ -107,8 +108,7 @@ def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix
     from tools import client
 
     req = client.request(ids, consumer, method, max_new_tokens=1, native_prefix=native_prefix)
-    req.no_pipelining = no_pipelining
-    r = client.generate(address, req, timeout=600)
+    r = client.generate(address, req, timeout=600, metadata=client.BENCH_HOLD if no_pipelining else ())
     t = r.timings
     if t is None:
         raise BenchError(f"{method}: the final token event carried no timings")
@@ -214,9 +214,10 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
                 qdisc_log[f"{bw:g}"] = tb.qdiscs()
                 for n in cfg.tokens:
                     warm_ids = prompts.get(n, 0)
-                    cells = {m: dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[]) for m in cfg.methods}
+                    cells = {m: dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[])
+                             for m in cfg.methods}
 
-                    def req(m, ids, nopipe=False):
+                    def req(m, ids, nopipe=False, bw=bw, n=n):
                         bar.set_postfix_str(f"{bw:g} Mbit/s, {n} tok, {m}")
                         r = _request(svc, addr, ids, name, m, prompts.native_prefix, nopipe)
                         bar.update()
@@ -332,7 +333,8 @@ def targets(cfg: BenchConfig, by: dict, kl: dict, bw0: float, n0: int) -> dict:
                   if m != "scd" and m in kl and kl[m] <= kl["scd"]}
         out["scd_fastest_at_its_quality"] = dict(
             link_mbit=bw0, tokens=n0, scd_ms=scd["warm_ttft_ms"], rivals_ms=rivals,
-            unknown_kl=[m for m in cfg.methods if m not in kl], met=all(scd["warm_ttft_ms"] < v for v in rivals.values()))
+            unknown_kl=[m for m in cfg.methods if m not in kl],
+            met=all(scd["warm_ttft_ms"] < v for v in rivals.values()))
     for bw in (100.0, 1000.0):
         r = by.get((bw, n0, "scd"))
         if r:

@@ -73,7 +73,8 @@ class Services:
 
     def start(self, timeout_s: float = 600.0) -> "Services":
         s, tb = self.spec, self.tb
-        common = ["--set", f"methods=[{','.join(s.methods)}]", "--set", "server.grace_s=1",
+        common = ["--set", f"methods=[{','.join(s.methods)}]", "--set", "server.grace_s=1", "--set",
+                  "bench.hold_layers=true",
                   "--set", f"model.device={s.device}", "--set", f"model.dtype={s.dtype}", "--store", s.store]
         self._start("consumer", tb.consumer_ns, [
             "--name", s.consumer_name, "--model", s.consumer_model,

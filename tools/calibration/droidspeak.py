@@ -10,40 +10,31 @@ from tqdm import tqdm
 
 from shared.model.hf_adapter import ModelAdapter
 from tools.calibration import selection as sel
+from tools.calibration.scoring import Scorer, droidspeak_sides
 from tools.calibration.spill import KVMemo, SpillDir
 
 
 def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple[list[int], int]],
             budget_layers: int = 12, block_len: int = 12, n_val: int = 24, progress: bool = True,
             stop_ids=()) -> dict:
+    """The blocks, greedily: each step adds the candidate block (of ``block_len`` layers, within the
+    remaining budget, not overlapping the chosen ones) whose DroidSpeak transfer, as served, has the
+    lowest validation KL; stops when no block lowers it."""
     t0 = time.perf_counter()
     L = producer.n_layers
     spill_dir = SpillDir()  # validation states and recomputed blocks on disk: memory does not grow with them
-    # the producer's prefill there already holds every layer's residual state
     vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=False, stop_ids=stop_ids,
                           spill_to=spill_dir)
-    cands = [(a, min(a + block_len, L)) for a in range(0, L - 1)]
+    scorer = Scorer(producer, consumer, vps)
     memo = KVMemo(spill_dir, consumer.device)
-
-    def block_kv(i, blk):
-        """Prompt i's K/V of block ``blk`` recomputed by the consumer from the producer's residual state
-        (kept on disk for the chosen blocks, only while prompt i is scored for a candidate)."""
-        def run():
-            vp = vps[i]
-            _, ks, vs = consumer.run_layers(vp.state.residual[blk[0]], blk[0], blk[1])
-            return {blk[0] + j: (k[:, :, vp.start:], v[:, :, vp.start:]) for j, (k, v) in enumerate(zip(ks, vs))}
-        return memo.get(f"{blk[0]}-{blk[1]}", i, run, keep=blk in chosen)
-
-    def kl(blocks):
-        def kv(i, layer):
-            for blk in blocks:
-                if blk[0] <= layer < blk[1]:
-                    return block_kv(i, blk)[layer]
-            vp = vps[i]
-            return vp.state.keys[layer][:, :, vp.start:].half().float(), vp.state.values[layer][:, :, vp.start:].half().float()
-        return sel.quality(vps, kv, consumer)
-
+    cands = [(a, min(a + block_len, L)) for a in range(0, L - 1)]
     chosen: list[tuple[int, int]] = []
+
+    def kl(blocks: list[tuple[int, int]]) -> float:
+        if not blocks:
+            return scorer.kl(*scorer.pair("raw"))  # DroidSpeak without blocks is fp16 raw transfer
+        return scorer.kl(*droidspeak_sides(scorer, sorted(blocks), memo, keep_blocks=chosen))
+
     base = cur = kl(chosen)
     path = []
     used = 0
@@ -63,8 +54,8 @@ def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tu
         cur = best[0]
         path.append({"block": list(best[1]), "kl": cur})
         bar.update(best[1][1] - best[1][0])
-        keep = {f"{a}-{b}" for a, b in chosen}
-        memo.forget(lambda tag: tag not in keep)
+        keep = {f"block-{a}-{b}" for a, b in chosen}
+        memo.forget(lambda tag, keep=keep: tag not in keep)
     bar.close()
     spill_dir.cleanup()
     return {"blocks": sorted([list(b) for b in chosen]), "budget_layers": budget_layers, "block_len": block_len,

@@ -1,6 +1,8 @@
 """``scd calibrate``: traces -> REUSE maps -> PATCH block scan -> PATCH projections and aligners ->
-layer selection -> ablations -> artifacts. Every stage is timed and reported; the artifact write is atomic, so an
-interrupted run is simply restarted."""
+layer selection -> ablations -> artifacts. Every configuration is scored by the served SCD method on
+candidate artifacts (``tools.calibration.scoring``), so what is selected is what the services run.
+Every stage is timed and its peak memory reported; the artifact write is atomic, so an interrupted
+run is simply restarted."""
 
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ from tqdm import tqdm
 
 from shared.artifacts import store
 from shared.artifacts.meta import ArtifactMeta
+from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
 from tools.calibration import selection as sel
 from tools.calibration.aligner import train_aligner
 from tools.calibration.linalg import fit_reuse, pca
 from tools.calibration.memory import PeakRSS, estimate, timed_stages
+from tools.calibration.scoring import Scorer, linear_aligner, patch_tensors, reuse_tensors, scd_sides
 from tools.calibration.spill import KVMemo, SpillDir
-from tools.calibration.traces import collect
+from tools.calibration.traces import Traces, collect
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +69,104 @@ class CalibrationSettings(BaseModel):
     ablations: bool = True
     """Sweep patch budget k and r_K, r_V on the validation split (adds minutes)."""
     spill_dir: str | None = None
-    """Where validation states and memoized K/V are spilled (default: the system's temporary folder);
-    removed when calibration ends."""
+    """Where validation states and memoized K/V are spilled (default: ``$SCD_HOME/spill``); removed
+    when calibration ends."""
     seed: int = 0
+
+
+def _codes(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A code as the consumer receives it: int8 per token with an absmax scale, or fp16."""
+    if bits == 16:
+        return x.half().float()
+    return dequantize_rows(*quantize_rows(x, 8))
+
+
+class _Run:
+    """One calibration: the fitted pieces, the validation set, and the scoring of candidates."""
+
+    def __init__(self, producer: ModelAdapter, consumer: ModelAdapter, tr: Traces, cfg: CalibrationSettings):
+        self.producer, self.consumer, self.tr, self.cfg = producer, consumer, tr, cfg
+        self.scorer: Scorer
+        self.memo: KVMemo
+        self.L, self.m = producer.n_layers, producer.kv_dim
+        self.fps = weights_fingerprint(producer.model), weights_fingerprint(consumer.model)
+        self.maps0 = self.fit_joint(cfg.r_kv) if cfg.reuse_code == "joint" else self.fit(cfg.r_k, cfg.r_v)
+        self.pcas = {l: pca(tr.h[l], cfg.r_h, cfg.center) for l in range(self.L)}
+        self.reuse0 = reuse_tensors(self.maps0, cfg.reuse_code)
+        self.chosen_block: tuple[int, int] | None = None
+        self.aligners: dict[str, dict] = {}  # "linear" / "trained": (producer, consumer) PATCH tensors
+
+    # -------------------------------------------------------------------------- fits
+    def fit(self, rk: int, rv: int) -> list[tuple]:
+        """Per layer, the (K map, V map) of separate codes."""
+        m, c = self.m, self.cfg
+        return [(fit_reuse(self.tr.k(l), m, min(rk, m), c.ridge, c.center),
+                 fit_reuse(self.tr.v(l), m, min(rv, m), c.ridge, c.center)) for l in range(self.L)]
+
+    def fit_joint(self, r: int) -> list[tuple]:
+        """Per layer, the (KV map,) of one joint code."""
+        m, c = self.m, self.cfg
+        return [(fit_reuse(self.tr.kv[l], 2 * m, min(r, 2 * m), c.ridge, c.center),) for l in range(self.L)]
+
+    def patch_codes(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(u, target) rows of layer l: the producer's PATCH code as served (fp16 projection, then
+        the wire's code) and the consumer's own normalized pre-attention input."""
+        wh, mu_h, _ = self.pcas[l]
+        hp, hc = self.tr.rows(l)
+        return _codes((hp - mu_h.half().float()) @ wh.half().float(), self.cfg.code_bits), hc
+
+    # -------------------------------------------------------------------------- candidates
+    def meta(self, patch_layers=(), block=None, code: str | None = None, ranks: dict | None = None) -> ArtifactMeta:
+        c = self.cfg
+        code = code or c.reuse_code
+        m = self.m  # the fits clip each rank to the width it codes; the meta says what was fit
+        r = {"r_k": min(c.r_k, m), "r_v": min(c.r_v, m), "r_kv": min(c.r_kv, 2 * m) if code == "joint" else 0,
+             **(ranks or {})}
+        return ArtifactMeta(
+            pair=c.pair, producer_fingerprint=self.fps[0], consumer_fingerprint=self.fps[1], n_layers=self.L,
+            n_kv_heads=self.producer.n_kv_heads, head_dim=self.producer.head_dim,
+            hidden_size=self.producer.hidden_size, r_h=c.r_h, reuse_code=code, code_bits=c.code_bits,
+            center=c.center, patch_layers=sorted(patch_layers), patch_blocks=[block] if block else [],
+            aligner_hidden=c.aligner_hidden, **r)
+
+    def reuse_all(self, i: int):
+        """Prompt i's REUSE decode of every layer by the served SCD (no patch, no block), kept on disk."""
+        def compute():
+            enc, dec = scd_sides(self.scorer, self.meta(), *self.reuse0)
+            vp = self.scorer.vps[i]
+            return {l: dec.decode_tensors(l, enc.encode_layer(vp.state, l, vp.start)) for l in range(self.L)}
+        return self.memo.get("reuse", i, compute)
+
+    def kl(self, patch_layers=(), aligners: str = "trained", block=None, maps=None, code: str | None = None,
+           ranks: dict | None = None) -> float:
+        """Validation KL of SCD with these PATCH layers (and their ``aligners``), this block (default:
+        the chosen one) and these REUSE maps (default: the calibrated ones)."""
+        block = block or self.chosen_block
+        prod, cons = self.reuse0 if maps is None else reuse_tensors(maps, code or self.cfg.reuse_code)
+        if patch_layers:
+            pp, pc = self.aligners[aligners]
+            prod, cons = {**prod, **pp}, {**cons, **pc}
+        meta = self.meta(patch_layers, block, code, ranks)
+        enc, dec = scd_sides(self.scorer, meta, prod, cons, self.memo, self.reuse_all if maps is None else None,
+                             keep_blocks=[self.chosen_block] if self.chosen_block else [])
+        return self.scorer.kl(enc, dec)
+
+    def forget_blocks(self) -> None:
+        """Drop the recomputed K/V of every block but the chosen one (which later stages reuse)."""
+        keep = f"block-{self.chosen_block[0]}-{self.chosen_block[1]}" if self.chosen_block else None
+        self.memo.forget(lambda tag: tag.startswith("block-") and tag != keep)
+
+    def cost(self, layers: list[int]) -> dict[int, float]:
+        """Gain-per-cost denominators: a PATCH layer's wire bytes over the REUSE layer's it replaces,
+        both counted from real frames of the first validation prompt, plus its consumer compute."""
+        enc, _ = scd_sides(self.scorer, self.meta(), *self.reuse0)
+        out = {}
+        pp, pc = self.aligners["trained"]
+        for l in layers:
+            penc, _ = scd_sides(self.scorer, self.meta([l]), {**self.reuse0[0], **pp}, {**self.reuse0[1], **pc})
+            ratio = self.scorer.bytes_per_token(penc, l) / self.scorer.bytes_per_token(enc, l)
+            out[l] = ratio + self.cfg.patch_compute_cost
+        return out
 
 
 def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
@@ -85,163 +184,83 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
             raise ValueError(f"{name}={r} is larger than the {width} numbers it codes; choose {name} <= {width}")
     report: dict = {}
     rss = PeakRSS()
-    _stage = timed_stages(report, rss)  # noqa: N806
+    stage = timed_stages(report, rss)
     t_all = t = time.perf_counter()
     prompts = [p[: cfg.max_prompt_tokens] for p in cal_prompts[: cfg.n_prompts]]
     tr = collect(producer, consumer, prompts, cfg.aligner_rows, cfg.seed, progress)
-    t = _stage("traces", t)
+    t = stage("traces", t)
 
-    def fit(rk, rv):
-        """Per layer, the (K map, V map) of separate codes."""
-        return [(fit_reuse(tr.k(l), m, min(rk, m), cfg.ridge, cfg.center),
-                 fit_reuse(tr.v(l), m, min(rv, m), cfg.ridge, cfg.center))
-                for l in range(L)]
-
-    def fit_joint(r):
-        """Per layer, the (KV map,) of one joint code."""
-        return [(fit_reuse(tr.kv[l], 2 * m, min(r, 2 * m), cfg.ridge, cfg.center),) for l in range(L)]
-
-    sep = fit(cfg.r_k, cfg.r_v)
-    joint = fit_joint(cfg.r_kv)
-    maps0 = joint if cfg.reuse_code == "joint" else sep
-    pcas = [pca(tr.h[l], cfg.r_h, cfg.center) for l in range(L)]
-    report["layers"] = [{"layer": l, "k_var_explained": sep[l][0].var_explained, "v_var_explained": sep[l][1].var_explained,
-                         "k_rel_err": sep[l][0].rel_err, "v_rel_err": sep[l][1].rel_err,
-                         "kv_var_explained": joint[l][0].var_explained, "h_var_explained": pcas[l][2]}
-                        for l in range(L)]
-    t = _stage("reuse_fit", t)
+    run = _Run(producer, consumer, tr, cfg)
+    sep = run.maps0 if cfg.reuse_code == "separate" else run.fit(cfg.r_k, cfg.r_v)
+    joint = run.maps0 if cfg.reuse_code == "joint" else run.fit_joint(cfg.r_kv)
+    report["layers"] = [{"layer": l, "k_var_explained": sep[l][0].var_explained,
+                         "v_var_explained": sep[l][1].var_explained, "k_rel_err": sep[l][0].rel_err,
+                         "v_rel_err": sep[l][1].rel_err, "kv_var_explained": joint[l][0].var_explained,
+                         "h_var_explained": run.pcas[l][2]} for l in range(L)]
+    t = stage("reuse_fit", t)
 
     spill_dir = SpillDir(cfg.spill_dir)  # validation states and memoized K/V live on disk, not in memory
     vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], n_new=cfg.val_tokens, progress=progress,
                           stop_ids=stop_ids, spill_to=spill_dir)
-    t = _stage("validation_prep", t)
+    scorer = run.scorer = Scorer(producer, consumer, vps)
+    run.memo = KVMemo(spill_dir, consumer.device)
+    t = stage("validation_prep", t)
 
-    bits = cfg.code_bits
-    memo = KVMemo(spill_dir, consumer.device)
-
-    def reuse(i, l, maps=None):
-        if maps is None or maps is maps0:  # the served code: every layer decoded once per prompt, kept on disk
-            return memo.get("reuse", i, lambda: {j: sel.reuse_kv(vps[i], j, maps0[j], bits, consumer)
-                                                 for j in range(L)})[l]
-        return sel.reuse_kv(vps[i], l, maps[l], bits, consumer)
-
-    aligners: dict[int, object] = {}
-
-    def linear_aligner(l):
-        wh, mu_h, _ = pcas[l]
-        hp, hc = tr.rows(l)
-        u = sel.roundtrip((hp - mu_h) @ wh, bits)
-        x = torch.cat([u, torch.ones(len(u), 1)], 1)
-        sol = torch.linalg.lstsq(x, hc).solution
-        return lambda uu: uu @ sol[:-1] + sol[-1]
-
-    def patch(i, l, fn):
-        wh, mu_h, _ = pcas[l]
-        return sel.patch_kv(vps[i], l, wh, mu_h, fn, bits, consumer)
-
-    chosen_block: tuple[int, int] | None = None
-
-    def block(i, blk):
-        """The block's recomputed K/V of prompt i: the chosen block's kept on disk across stages, any
-        other's only while its prompt is scored."""
-        tag = f"block-{blk[0]}-{blk[1]}"
-        return memo.get(tag, i, lambda: sel.block_kv(vps[i], blk, bits, consumer), keep=blk == chosen_block)
-
-    def forget_blocks():
-        """Drop the recomputed K/V of every block but the chosen one (which later stages reuse)."""
-        keep = f"block-{chosen_block[0]}-{chosen_block[1]}" if chosen_block else None
-        memo.forget(lambda tag: tag.startswith("block-") and tag != keep)
-
-    def kl_with(patches: dict[int, object], maps=None, blk=None) -> float:
-        blk = blk or chosen_block
-
-        def kv(i, l):
-            if blk and blk[0] <= l < blk[1]:
-                return block(i, blk)[l]
-            return patch(i, l, patches[l]) if l in patches else reuse(i, l, maps)
-        return sel.quality(vps, kv, consumer)
-
-    raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:],
-                                            vps[i].state.values[l][:, :, vps[i].start:]), consumer)
-    base_kl = kl_with({})
+    raw_kl = scorer.kl(*scorer.pair("raw"))
+    base_kl = run.kl()
+    other = "separate" if cfg.reuse_code == "joint" else "joint"
+    other_kl = run.kl(maps=sep if other == "separate" else joint, code=other)
     report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl,
-                            "reuse_only_kl_separate": base_kl if cfg.reuse_code == "separate" else kl_with({}, sep),
-                            "reuse_only_kl_joint": base_kl if cfg.reuse_code == "joint" else kl_with({}, joint)}
+                            f"reuse_only_kl_{cfg.reuse_code}": base_kl, f"reuse_only_kl_{other}": other_kl}
     cur_kl = base_kl
     if cfg.block_layers:  # where a PATCH block of the budgeted length earns most: slide it over the depth
         n = cfg.block_layers
         scan = []
         for a0 in tqdm(range(L - n + 1), desc="patch block", disable=not progress):
-            scan.append({"block": [a0, a0 + n], "kl": kl_with({}, blk=(a0, a0 + n))})
-            forget_blocks()
+            scan.append({"block": [a0, a0 + n], "kl": run.kl(block=(a0, a0 + n))})
+            run.forget_blocks()
         best = min(scan, key=lambda x: x["kl"])
         report["block_scan"] = scan
         if best["kl"] < base_kl:
-            chosen_block, cur_kl = tuple(best["block"]), best["kl"]
-        t = _stage("patch_block", t)
+            run.chosen_block, cur_kl = tuple(best["block"]), best["kl"]
+        t = stage("patch_block", t)
+    chosen_block = run.chosen_block
     report["patch_block"] = list(chosen_block) if chosen_block else None
     report["validation"]["block_kl"] = cur_kl if chosen_block else None
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]
-    lin = {l: linear_aligner(l) for l in free}
-    sens = sel.restore_one(free, cur_kl, lambda s: kl_with({l: lin[l] for l in s}), progress)
+    linear = {}
+    for l in free:
+        u, hc = run.patch_codes(l)
+        linear[l] = linear_aligner(torch.linalg.lstsq(torch.cat([u, torch.ones(len(u), 1)], 1), hc).solution)
+    run.aligners["linear"] = patch_tensors(run.pcas, linear)
+    sens = sel.restore_one(free, cur_kl, lambda s: run.kl(s, "linear"), progress)
     report["sensitivity"] = [{"layer": l, "gain": g} for l, g in sens.items()]
     pool = [l for l, g in sorted(sens.items(), key=lambda kv: -kv[1]) if g > 0][: cfg.pool]
-    t = _stage("restore_one", t)
+    t = stage("restore_one", t)
 
+    aligners = {}
     for l in pool:
-        wh, mu_h, _ = pcas[l]
-        hp, hc = tr.rows(l)
-        u = sel.roundtrip((hp - mu_h) @ wh, bits)
+        u, hc = run.patch_codes(l)
         aligners[l], rep = train_aligner(u, hc, cfg.aligner_hidden, cfg.aligner_steps, seed=cfg.seed)
         report["layers"][l].update({f"aligner_{k}": v for k, v in rep.items()})
-    t = _stage("aligners", t)
+    run.aligners["trained"] = patch_tensors(run.pcas, aligners)
+    t = stage("aligners", t)
 
-    width = cfg.r_kv if cfg.reuse_code == "joint" else cfg.r_k + cfg.r_v
-    scales = 2 if cfg.reuse_code == "joint" else 4
-    reuse_bytes = width + scales if bits == 8 else 2 * width  # per token, scales included
-    patch_bytes = cfg.r_h + 2 if bits == 8 else 2 * cfg.r_h
-    cost = lambda l: patch_bytes / reuse_bytes + cfg.patch_compute_cost  # noqa: E731
+    costs = run.cost(pool)
+    report["patch_cost"] = {str(l): round(c, 4) for l, c in costs.items()}
     steps = max(cfg.budget_k, 8 if cfg.ablations else 0)
-    path = sel.greedy(pool, steps, cur_kl, lambda s: kl_with({l: aligners[l] for l in s}), cost, progress)
+    path = sel.greedy(pool, steps, cur_kl, lambda s: run.kl(s), costs.get, progress)
     report["greedy_path"] = path
     chosen = [p["layer"] for p in path[: cfg.budget_k]]
-    t = _stage("greedy", t)
+    t = stage("greedy", t)
 
     if cfg.ablations:
-        kl_at = [cur_kl] + [p["kl"] for p in path]
-        report["ablation_patch_budget"] = [{"k": k, "kl": kl_at[min(k, len(path))]} for k in (0, 1, 2, 4, 6, 8)]
-        patches = {l: aligners[l] for l in chosen}
-        sweep = []
-        for which in ("k", "v"):  # the paper's separate codes: does K compress harder than V?
-            for r in sorted({32, 64, 96, 128, 160, m}):
-                maps = fit(r, cfg.r_v) if which == "k" else fit(cfg.r_k, r)
-                sweep.append({"which": which, "rank": r, "kl": kl_with(patches, maps)})
-        report["ablation_ranks"] = sweep
-        if chosen_block:  # how long the block should be: lengths at the chosen entry, REUSE elsewhere, no patches
-            a = chosen_block[0]
-            lengths = sorted(n for n in {2, 4, 6, 8, 10, 12, 14, 16, cfg.block_layers} if a + n <= L and n < L)
-            report["ablation_block_length"] = []
-            for n in tqdm(lengths, desc="block length", disable=not progress):
-                blk = (a, a + n)  # the chosen length was scored by the scan
-                kl = report["validation"]["block_kl"] if blk == chosen_block else kl_with({}, blk=blk)
-                report["ablation_block_length"].append({"layers": n, "block": list(blk), "kl": kl})
-                forget_blocks()
-        report["ablation_joint_rank"] = []
-        for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
-            report["ablation_joint_rank"].append({"rank": r, "kl": kl_with(patches, fit_joint(r))})
-        t = _stage("ablations", t)
+        _ablations(run, report, path, chosen, cur_kl, progress)
+        t = stage("ablations", t)
 
-    prod_t, cons_t = {}, {}
-    names = ("kv",) if cfg.reuse_code == "joint" else ("k", "v")
-    for l in range(L):
-        for kv, mp in zip(names, maps0[l]):
-            prod_t[f"enc.{kv}.{l}"], prod_t[f"mu_p.{kv}.{l}"] = mp.enc.half(), mp.mu_p.half()
-            cons_t[f"dec.{kv}.{l}"], cons_t[f"mu_c.{kv}.{l}"] = mp.dec.half(), mp.mu_c.half()
-    for l in chosen:
-        wh, mu_h, _ = pcas[l]
-        prod_t[f"wh.{l}"], prod_t[f"mu_h.{l}"] = wh.half(), mu_h.half()
-        for k, v in aligners[l].state_dict().items():
-            cons_t[f"align.{l}.{k}"] = v.half()
+    prod_t, cons_t = run.reuse0
+    pp, pc = patch_tensors(run.pcas, {l: aligners[l] for l in chosen})
+    prod_t, cons_t = {**prod_t, **pp}, {**cons_t, **pc}
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     report["peak_rss_mb"]["total"] = max(report["peak_rss_mb"].values())
     rss.close()
@@ -253,20 +272,42 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     report["selected_kl"] = path[len(chosen) - 1]["kl"] if chosen else cur_kl
     import transformers
 
-    meta = ArtifactMeta(
-        pair=cfg.pair, producer_fingerprint=weights_fingerprint(producer.model),
-        consumer_fingerprint=weights_fingerprint(consumer.model), n_layers=L, n_kv_heads=producer.n_kv_heads,
-        head_dim=producer.head_dim, hidden_size=producer.hidden_size, r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h,
-        reuse_code=cfg.reuse_code, r_kv=cfg.r_kv if cfg.reuse_code == "joint" else 0,
-        code_bits=cfg.code_bits, center=cfg.center, patch_layers=sorted(chosen),
-        patch_blocks=[chosen_block] if chosen_block else [], aligner_hidden=cfg.aligner_hidden,
-        calibration={"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
-                     "settings": cfg.model_dump()},
-        versions={"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
-        report=report,
-    )
+    meta = run.meta(chosen, chosen_block).model_copy(update={
+        "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
+                        "settings": cfg.model_dump()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
+        "report": report})
     folder = store.save(out, meta, prod_t, cons_t)
     return str(folder), report
+
+
+def _ablations(run: _Run, report: dict, path: list[dict], chosen: list[int], cur_kl: float, progress: bool) -> None:
+    """The ablations of the calibration report: patch budget k, the separate K and V ranks, the
+    PATCH block's length and the joint code's rank, each scored by the served method."""
+    cfg, L, m = run.cfg, run.L, run.m
+    kl_at = [cur_kl] + [p["kl"] for p in path]
+    report["ablation_patch_budget"] = [{"k": k, "kl": kl_at[min(k, len(path))]} for k in (0, 1, 2, 4, 6, 8)]
+    sweep = []
+    for which in ("k", "v"):  # the paper's separate codes: does K compress harder than V?
+        for r in sorted({32, 64, 96, 128, 160, m}):
+            rk, rv = min(r if which == "k" else cfg.r_k, m), min(r if which == "v" else cfg.r_v, m)
+            kl = run.kl(chosen, maps=run.fit(rk, rv), code="separate", ranks={"r_k": rk, "r_v": rv})
+            sweep.append({"which": which, "rank": r, "kl": kl})
+    report["ablation_ranks"] = sweep
+    if run.chosen_block:  # how long the block should be: lengths at the chosen entry, REUSE elsewhere, no patches
+        a = run.chosen_block[0]
+        lengths = sorted(n for n in {2, 4, 6, 8, 10, 12, 14, 16, cfg.block_layers} if a + n <= L and n < L)
+        report["ablation_block_length"] = []
+        for n in tqdm(lengths, desc="block length", disable=not progress):
+            blk = (a, a + n)  # the chosen length was scored by the scan
+            kl = report["validation"]["block_kl"] if blk == run.chosen_block else run.kl(block=blk)
+            report["ablation_block_length"].append({"layers": n, "block": list(blk), "kl": kl})
+            run.forget_blocks()
+    report["ablation_joint_rank"] = []
+    for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
+        r = min(r, 2 * m)
+        kl = run.kl(chosen, maps=run.fit_joint(r), code="joint", ranks={"r_kv": r})
+        report["ablation_joint_rank"].append({"rank": r, "kl": kl})
 
 
 def data_hash(prompts: list[list[int]]) -> str:

@@ -15,9 +15,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from shared.codecs.ridge import apply
+from shared.codecs import CodecContext
 from tools.calibration import selection as sel
 from tools.calibration.linalg import ridge
+from tools.calibration.scoring import Scorer
 from tools.calibration.spill import SpillDir
 
 
@@ -110,13 +111,14 @@ def calibrate(producer, consumer, prompts: list[list[int]], val_prompts: list[tu
     spill_dir = SpillDir()  # validation states on disk, read per layer
     vps = sel.prepare_val(producer, consumer, val_prompts[:n_val], progress=progress, stop_ids=stop_ids,
                           spill_to=spill_dir)
-    raw_kl = sel.quality(vps, lambda i, l: (vps[i].state.keys[l][:, :, vps[i].start:].half().float(),
-                                            vps[i].state.values[l][:, :, vps[i].start:].half().float()), consumer)
+    scorer = Scorer(producer, consumer, vps)
+    raw_kl = scorer.kl(*scorer.pair("raw"))
     grid, best, rankings = [], None, {}
     for alpha, k in tqdm(list(itertools.product(alphas, top_ks)), desc="ridge grid", disable=not progress):
         tensors, rankings[alpha], r2 = fit(moms, L, D, k, alpha, rankings.get(alpha))
-        kl = sel.quality(vps, lambda i, l, t=tensors: tuple(
-            x.half().float() for x in apply(t, vps[i].state.keys, vps[i].state.values, l, vps[i].start, D)), consumer)
+        profiles = {"ridge": {"tensors": tensors}}  # the candidate maps, served by the ridge method itself
+        kl = scorer.kl(*scorer.pair("ridge", producer_ctx=CodecContext(producer, profiles=profiles),
+                                    consumer_ctx=CodecContext(consumer, profiles=profiles)))
         grid.append({"top_k": k, "alpha": alpha, "kl": kl, "mean_r2": sum(r2) / L})
         if best is None or kl < best[0]:
             best = (kl, k, alpha, tensors, r2)

@@ -9,21 +9,10 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.model.hf_adapter import ModelAdapter, PrefillState, clone_cache, from_rows
-from tools.calibration.linalg import ReuseMap
 from tools.calibration.memory import release_memory
 from tools.calibration.spill import SpillDir, SpilledState, spill
-from tools.calibration.traces import flat
 from tools.eval.metrics import kl_top1
-
-
-def roundtrip(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """What a code looks like after the wire: int8 per-token absmax, or fp16."""
-    if bits == 16:
-        return x.half().float()
-    q, s = quantize_rows(x, bits)
-    return dequantize_rows(q, s)
 
 
 def heads(x: torch.Tensor, model: ModelAdapter) -> torch.Tensor:
@@ -65,38 +54,6 @@ def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tu
         del sc, cache
         release_memory()
     return out
-
-
-def reuse_kv(vp: ValPrompt, layer: int, maps: tuple[ReuseMap, ...], bits: int, model: ModelAdapter):
-    """REUSE through the wire: ``maps`` is (K map, V map) for separate codes or (KV map,) for one
-    joint code of [K | V]."""
-    k, v = (flat(x[:, :, vp.start:]).float() for x in (vp.state.keys[layer], vp.state.values[layer]))
-    dev = k.device  # the maps live on the CPU; the states on the model's device
-
-    def code(m: ReuseMap, x: torch.Tensor) -> torch.Tensor:
-        z = roundtrip((x - m.mu_p.to(dev)) @ m.enc.to(dev), bits)
-        return m.mu_c.to(dev) + z @ m.dec.to(dev)
-
-    if len(maps) == 1:
-        y = code(maps[0], torch.cat([k, v], 1))
-        return heads(y[:, : k.shape[1]], model), heads(y[:, k.shape[1]:], model)
-    return tuple(heads(code(m, x), model) for m, x in zip(maps, (k, v)))
-
-
-def patch_kv(vp: ValPrompt, layer: int, wh: torch.Tensor, mu_h: torch.Tensor, aligner: Callable, bits: int,
-             model: ModelAdapter):
-    u = roundtrip((vp.state.hidden[layer][0, vp.start:].float().cpu() - mu_h) @ wh, bits)  # aligners live on the CPU
-    with torch.inference_mode():
-        h = aligner(u)
-    return model.regenerate_kv(layer, h.unsqueeze(0))
-
-
-def block_kv(vp: ValPrompt, block: tuple[int, int], bits: int, model: ModelAdapter) -> dict[int, tuple]:
-    """A PATCH block through the wire: the producer's residual state at the entry (whole prompt,
-    coded), the consumer's own layers a..b-1 over it; {layer: (K, V)} for positions [start, n)."""
-    a, b = block
-    _, ks, vs = model.run_layers(roundtrip(vp.state.residual[a][0].float(), bits).unsqueeze(0), a, b)
-    return {a + j: (ks[j][:, :, vp.start:], vs[j][:, :, vp.start:]) for j in range(b - a)}
 
 
 def logprobs(vp: ValPrompt, kv: Callable[[int], tuple], model: ModelAdapter) -> torch.Tensor:

@@ -51,7 +51,8 @@ def collect(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[list[i
         T = len(ctx)
         pick = torch.randperm(T, generator=g)[:per_prompt]
         for l in layers:
-            tr.kv[l].add(torch.cat([flat(sp.keys[l]), flat(sp.values[l]), flat(sc.keys[l]), flat(sc.values[l])], 1).cpu())
+            rows = torch.cat([flat(sp.keys[l]), flat(sp.values[l]), flat(sc.keys[l]), flat(sc.values[l])], 1)
+            tr.kv[l].add(rows.cpu())
             hp, hc = sp.hidden[l][0].cpu(), sc.hidden[l][0].cpu()
             tr.h[l].add(hp)
             tr.h_p[l].append(hp[pick].float().clone())

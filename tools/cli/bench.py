@@ -37,9 +37,11 @@ def bench(
     png_out: Optional[Path] = typer.Option(None, "--png", help="TTFT vs link rate plot (default: beside --json)."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: oracle,raw,quant,spectrum,"
                                                      "droidspeak,ridge,scd-reuse,scd)."),
-    bandwidths: Optional[str] = typer.Option(None, help="Link rates in Mbit/s, comma-separated (default 100,1000,10000)."),
+    bandwidths: Optional[str] = typer.Option(None, help="Link rates in Mbit/s, comma-separated "
+                                                        "(default 100,1000,10000)."),
     tokens: Optional[str] = typer.Option(None, help="Prompt lengths in tokens (default 500,1000,2000)."),
-    repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; --quick 3)."),
+    repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; "
+                                                           "--quick 3)."),
     delay_ms: float = typer.Option(0.0, help="One-way delay added on each direction of the link (needs netem)."),
     pair: str = typer.Option("strong", help="A registered pair (its models and artifact store)."),
     pipelining: bool = typer.Option(True, "--pipelining-comparison/--no-pipelining-comparison",

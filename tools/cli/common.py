@@ -14,7 +14,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -41,14 +41,16 @@ def drift(
     """How far the pair's caches disagree: Oracle vs raw transfer on the test split."""
     setup_logging(verbose)
     prefix = _on_off(native_prefix)
-    from tools.eval.harness import evaluate, oracle, raw
+    from shared.codecs import CodecContext
+    from tools.eval.harness import evaluate, methods
     from tools.eval.report import print_layers, print_table
 
     t0 = time.perf_counter()
     check_data(data_file)
     pm = pair_models(pair, device, dtype)
     its = items(pm, "test", n, data_file)
-    res = evaluate(pm.producer, pm.consumer, pm.fmt, its, {"oracle": oracle, "raw": raw}, prefix)
+    runners = methods(("oracle", "raw"), CodecContext(pm.producer), CodecContext(pm.consumer))
+    res = evaluate(pm.producer, pm.consumer, pm.fmt, its, runners, prefix)
     res.update(pair=pair, native_prefix=native_prefix, n=len(its), seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"drift: pair={pair} native_prefix={native_prefix} n={len(its)}")
     print_layers(res)
@@ -109,7 +111,7 @@ def eval_(
     from shared.codecs.scd import PairArtifacts
     from shared.errors import SCDError
     from shared.model.fingerprint import weights_fingerprint
-    from tools.eval.harness import codec_method, evaluate, oracle
+    from tools.eval.harness import codec_method, evaluate
     from tools.eval.report import print_table
 
     names = [m for m in methods.split(",") if m]
@@ -153,9 +155,9 @@ def eval_(
             ds = pctx.profiles.get("droidspeak", {}).get("blocks")
             pl = pctx.artifacts.meta.patch_layers if pctx.artifacts else None
             pts = sw.points(names, ds, pl, pctx.artifacts.meta.patch_blocks if pctx.artifacts else None)
-            runners = {lab: oracle if kind == "oracle" else codec_method(kind, pctx, cctx, prm) for lab, kind, prm in pts}
+            runners = {lab: codec_method(kind, pctx, cctx, prm) for lab, kind, prm in pts}
         else:
-            runners = {m: oracle if m == "oracle" else codec_method(m, pctx, cctx, params.get(m)) for m in names}
+            runners = {m: codec_method(m, pctx, cctx, params.get(m)) for m in names}
     except SCDError as e:
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})

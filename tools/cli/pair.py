@@ -64,7 +64,8 @@ def list_(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) ->
 
 
 @pair_app.command("show")
-def show(name: str = typer.Argument(...), store: Optional[Path] = typer.Option(None, help="Look in this store.")) -> None:
+def show(name: str = typer.Argument(...),
+         store: Optional[Path] = typer.Option(None, help="Look in this store.")) -> None:
     """A pair's architecture, dtype, fingerprints, folders, and which artifacts and profiles its store holds."""
     from shared.errors import SCDError
     from tools.assets import registry

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -12,6 +12,13 @@ from tools.cli.common import fail, setup_logging
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
+
+# the options both services take
+Host = Annotated[Optional[str], typer.Option(help="Listen address (default: the settings').")]
+Port = Annotated[Optional[int], typer.Option(help="gRPC port (default: the settings'; 0 picks a free one).")]
+Config = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML settings file.")]
+Sets = Annotated[list[str], typer.Option("--set", help="Override a setting: a.b=value (repeatable).")]
+Verbose = Annotated[bool, typer.Option("-v", "--verbose")]
 
 
 def _serve(load_engine, build_server, settings) -> None:
@@ -82,12 +89,8 @@ def serve_consumer(
     name: Optional[str] = typer.Option(None, help="Consumer name (default: the pair's name, else strong)."),
     model: Optional[str] = typer.Option(None, help="Model folder (default: the pair's consumer)."),
     adapter: Optional[str] = typer.Option(None, help="LoRA adapter folder merged into --model at load."),
-    host: Optional[str] = typer.Option(None),
-    port: Optional[int] = typer.Option(None),
     store: Optional[str] = typer.Option(None, help="Artifact store directory (default: the pair's store)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
-    set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    host: Host = None, port: Port = None, config: Config = None, set_: Sets = [], verbose: Verbose = False,  # noqa: B006
 ) -> None:
     """Serve a consumer: receives cache streams, reconstructs layer by layer, decodes."""
     setup_logging(verbose)
@@ -129,12 +132,8 @@ def serve_producer(
     consumer: list[str] = typer.Option([], help="NAME=HOST:PORT of a consumer (repeatable); a registered pair's "
                                                 "NAME brings its producer model, tokenizer and artifacts."),
     model: Optional[str] = typer.Option(None, help="Model folder (default: the registered pairs' producer)."),
-    host: Optional[str] = typer.Option(None),
-    port: Optional[int] = typer.Option(None),
     store: Optional[str] = typer.Option(None, help="Artifact store directory (default: each pair's store)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML settings file."),
-    set_: list[str] = typer.Option([], "--set", help="Override a setting: a.b=value (repeatable)."),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    host: Host = None, port: Port = None, config: Config = None, set_: Sets = [], verbose: Verbose = False,  # noqa: B006
 ) -> None:
     """Serve the producer: prefills with the base model and streams the cache to consumers."""
     setup_logging(verbose)

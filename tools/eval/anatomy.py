@@ -17,6 +17,7 @@ from tqdm import tqdm
 from shared.model.hf_adapter import ModelAdapter, to_rows
 from tools.calibration import selection as sel
 from tools.calibration.linalg import Moments, ridge
+from tools.calibration.scoring import Scorer, droidspeak_sides
 
 
 def _ridge_maps(moms: list[Moments], n_in: int, lam_rel: float = 1e-3):
@@ -67,8 +68,9 @@ def run(producer: ModelAdapter, consumer: ModelAdapter, cal: list[list[int]], va
         sc = consumer.prefill(vp.ids[:-1])
         own.append([(k[:, :, vp.start:], v[:, :, vp.start:]) for k, v in zip(sc.keys, sc.values)])
 
-    def raw(i, l):
-        return vps[i].state.keys[l][:, :, vps[i].start:], vps[i].state.values[l][:, :, vps[i].start:]
+    def raw(i, l):  # the producer's K/V as raw transfer sends them (fp16)
+        return (vps[i].state.keys[l][:, :, vps[i].start:].half().float(),
+                vps[i].state.values[l][:, :, vps[i].start:].half().float())
 
     def mapped(maps, feat: Callable):
         def kv(i, l):
@@ -84,11 +86,13 @@ def run(producer: ModelAdapter, consumer: ModelAdapter, cal: list[list[int]], va
     for s in single:
         probes[f"own K/V on layer {s}"] = lambda i, l, s=s: own[i][l] if l == s else raw(i, l)
     hmaps, kvmaps = _ridge_maps([mo[0] for mo in moms], d), _ridge_maps([mo[1] for mo in moms], 2 * m)
-    probes["ridge map K/V -> K/V, every layer"] = mapped(kvmaps, lambda i, l: torch.cat([to_rows(x) for x in raw(i, l)], 1))
+    probes["ridge map K/V -> K/V, every layer"] = mapped(kvmaps, lambda i, l: torch.cat([to_rows(x) for x in raw(i, l)],
+                                                                                      1))
     probes["ridge map h_l -> K/V, every layer"] = mapped(hmaps, lambda i, l: vps[i].state.hidden[l][0, vps[i].start:])
-    out = {name: sel.quality(vps, kv, consumer) for name, kv in tqdm(probes.items(), desc="probes", disable=not progress)}
-    for a, b in tqdm(blocks, desc="blocks", disable=not progress):
-        blk = [sel.block_kv(vp, (a, b), 16, consumer) for vp in vps]  # each prompt's block once
-        out[f"consumer recomputes {a}-{b - 1} from the producer's residual"] = sel.quality(
-            vps, lambda i, l: blk[i][l] if a <= l < b else raw(i, l), consumer)
+    out = {name: sel.quality(vps, kv, consumer) for name, kv in tqdm(probes.items(), desc="probes",
+                                                                     disable=not progress)}
+    scorer = Scorer(producer, consumer, vps)
+    for a, b in tqdm(blocks, desc="blocks", disable=not progress):  # a recompute block is DroidSpeak's transfer
+        out[f"consumer recomputes {a}-{b - 1} from the producer's residual"] = scorer.kl(
+            *droidspeak_sides(scorer, [(a, b)]))
     return out

@@ -1,5 +1,7 @@
 """The side-by-side evaluation harness: every method judged on the consumer, against the Oracle,
-on the same prompts, with the producer prefill and the Oracle computed once per prompt."""
+on the same prompts, with the producer prefill and the Oracle computed once per prompt. Every
+method, the Oracle and raw transfer included, runs as the services run it (``codec_method``): the
+registered method's encode, the wire's frames (bytes counted from them), its decode session."""
 
 from __future__ import annotations
 
@@ -41,29 +43,9 @@ class MethodResult:
 Method = Callable[[Context, ModelAdapter], MethodResult]
 
 
-def oracle(ctx: Context, consumer: ModelAdapter) -> MethodResult:
-    """The consumer's own prefill; only token ids (int32) cross the wire."""
-    cache = consumer.build_cache(ctx.consumer.keys, ctx.consumer.values)
-    return MethodResult(cache, bytes=4 * ctx.producer.n_tokens)
-
-
-def with_native_prefix(ctx: Context, keys, values):
-    """Replace the first ``prefix_len`` positions by the consumer's own K/V."""
-    p = ctx.prefix_len
-    if p == 0:
-        return list(keys), list(values)
-    ks = [torch.cat([ck[:, :, :p], k[:, :, p:]], 2) for ck, k in zip(ctx.consumer.keys, keys)]
-    vs = [torch.cat([cv[:, :, :p], v[:, :, p:]], 2) for cv, v in zip(ctx.consumer.values, values)]
-    return ks, vs
-
-
-def raw(ctx: Context, consumer: ModelAdapter) -> MethodResult:
-    t0 = time.perf_counter()
-    ks, vs = with_native_prefix(ctx, ctx.producer.keys, ctx.producer.values)
-    cache = consumer.build_cache(ks, vs)
-    n = ctx.producer.n_tokens - ctx.prefix_len
-    nbytes = 2 * 2 * consumer.n_layers * consumer.kv_dim * n  # K and V, fp16
-    return MethodResult(cache, bytes=nbytes, reconstruct_ms=(time.perf_counter() - t0) * 1e3)
+def methods(kinds, producer_ctx, consumer_ctx, params: dict[str, dict] | None = None) -> dict[str, Method]:
+    """Runners for registered method kinds (name -> runner), each with its settings from ``params``."""
+    return {k: codec_method(k, producer_ctx, consumer_ctx, (params or {}).get(k)) for k in kinds}
 
 
 @dataclass
@@ -124,7 +106,7 @@ def evaluate(
         gold = fmt.answer_ids(item.answer) if item.answer else []
         reference = list(item.continuation_ids)
 
-        o_cache = oracle(ctx, consumer).cache
+        o_cache = consumer.build_cache(c_state.keys, c_state.values)  # the reference: the consumer's own prefill
         o_toks = consumer.greedy(clone_cache(o_cache, consumer.config), last, max_new_tokens, stop)
         tf = reference or o_toks  # teacher-forced target: held-out continuation, else the Oracle's greedy
         o_lp = consumer.score(clone_cache(o_cache, consumer.config), last, tf)[: len(tf)]
@@ -136,7 +118,7 @@ def evaluate(
             acc = accs[name]
             acc.kl.append(float(kl.mean()))
             acc.top1.append(float(top1.mean()))
-            toks = o_toks if name == "oracle" else consumer.greedy(clone_cache(r.cache, consumer.config), last, max_new_tokens, stop)
+            toks = o_toks if name == "oracle" else consumer.greedy(clone_cache(r.cache), last, max_new_tokens, stop)
             text = tok.decode(toks, skip_special_tokens=True)
             acc.agree_f1.append(token_f1(text, o_text))
             if item.answer:
@@ -183,7 +165,8 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
         nbytes, enc_ms, rec_ms = 4 * len(ctx.item.prompt_ids), 0.0, 0.0
         if enc.transfers_layers:
             state = ctx.producer
-            if not (set(enc.hidden_layers()) <= set(state.hidden) and set(enc.residual_layers()) <= set(state.residual)):
+            if not (set(enc.hidden_layers()) <= set(state.hidden)
+                    and set(enc.residual_layers()) <= set(state.residual)):
                 raise ValueError(f"{kind} needs hidden/residual states of layers {enc.hidden_layers()} / "
                                  f"{enc.residual_layers()}; pass them to evaluate()")
             for layer in range(consumer.n_layers):

@@ -79,7 +79,8 @@ def run(pair: str = "strong", n_tokens: int = 1000, methods=("raw",), iters: int
                                  ttft_ms=t.ttft_ms, wire_bytes=t.wire_bytes))
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             med["tail_share"] = med["tail_ms"] / med["first_frame_to_token_ms"]
-            med["hidden_reconstruct_share"] = max(0.0, 1 - med["tail_ms"] / med["reconstruct_ms"]) if med["reconstruct_ms"] else 0.0
+            rec = med["reconstruct_ms"]
+            med["hidden_reconstruct_share"] = max(0.0, 1 - med["tail_ms"] / rec) if rec else 0.0
             rows[m] = med
     print(f"overlap benchmark: pair={pair} prompt={len(prompt)} tokens, median of {iters} (after warm-up)")
     print(f"{'method':<8}{'transfer ms':>13}{'reconstr. ms':>14}{'tail ms':>10}{'1st frame→tok':>15}{'tail share':>12}")

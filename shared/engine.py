@@ -1,0 +1,67 @@
+"""What the producer's and the consumer's engines share: the model and its adapter, the weights
+fingerprint, the prompt format, one torch worker thread (torch work off the event loop, device use
+serial), and loading a pair's calibration artifacts and profiles into a codec context."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from shared.codecs import CODECS, CodecContext, check_enabled
+from shared.errors import ConfigError
+from shared.model.fingerprint import weights_fingerprint
+from shared.model.hf_adapter import ModelAdapter
+from shared.model.prompt import PromptFormat
+
+
+class TorchWorker:
+    """One worker thread for torch work: ``await run(fn, *args)``."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Engine(TorchWorker):
+    """Base of ``ProducerEngine`` and ``ConsumerEngine``. ``settings.methods`` must all be registered."""
+
+    def __init__(self, settings, model, tokenizer, name: str):
+        check_enabled(settings.methods)
+        self.settings = settings
+        self.adapter = ModelAdapter(model)
+        self.tokenizer = tokenizer
+        self.format = PromptFormat(tokenizer) if tokenizer is not None else None
+        self.fingerprint = weights_fingerprint(model)
+        TorchWorker.__init__(self, name)
+
+    def load_context(self, folder: str | Path | None, side: str, producer_fp: str | None = None,
+                     consumer_fp: str | None = None, require: tuple[str, ...] = ()) -> CodecContext:
+        """A codec context for this side with what ``folder`` (``<store>/<pair>``) holds: the pair's
+        SCD artifacts (``meta.json`` there) and the baselines' profiles beside it
+        (``<store>/<pair>.<kind>.json``), checked against the fingerprints given. A method named in
+        ``require`` whose artifacts or profile are missing is a ``ConfigError`` at start-up."""
+        from shared.artifacts import store
+        from shared.codecs.scd import PairArtifacts
+
+        ctx = CodecContext(self.adapter)
+        needs_art = [m for m in require if "artifacts" in CODECS[m].requires]
+        needs_prof = [m for m in require if "profile" in CODECS[m].requires]
+        if folder is None:
+            if needs_art or needs_prof:
+                raise ConfigError(f"methods {needs_art + needs_prof} need the pair's calibration artifacts: set "
+                                  "artifact_store (or drop them from methods)")
+            return ctx
+        folder = Path(folder)
+        if needs_art or (folder / "meta.json").exists():
+            meta, tensors = store.load(folder, side, producer_fp, consumer_fp)
+            ctx.artifacts = PairArtifacts(meta, tensors, side)
+        for kind in (k for k, cls in CODECS.items() if "profile" in cls.requires):
+            if kind in needs_prof or (folder.parent / f"{folder.name}.{kind}.json").exists():
+                ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, producer_fp, consumer_fp)
+        return ctx
