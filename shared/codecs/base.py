@@ -133,6 +133,9 @@ class PerLayerSession(DecodeSession):
         return self.method.decode_tensors(layer, tensors, self.job.n_transfer)
 
 
+_TRAITS = frozenset({"kind", "version", "lossless", "transfers_layers", "compressive", "cross_model", "requires"})
+
+
 class TransferMethod(ABC):
     kind: ClassVar[str]
     version: ClassVar[int] = 1
@@ -143,6 +146,14 @@ class TransferMethod(ABC):
     requires: ClassVar[frozenset[str]] = frozenset()  # "artifacts" (SCD store) and/or "profile" (a baseline's JSON)
     Config: ClassVar[type[MethodConfig]]
     Session: ClassVar[type[DecodeSession]]
+
+    def __init_subclass__(cls, **traits: Any):
+        """Traits are declared on the class line: ``class Raw(TransferMethod, kind="raw")``."""
+        super().__init_subclass__()
+        for name, value in traits.items():
+            if name not in _TRAITS:
+                raise TypeError(f"{cls.__name__}: unknown method trait {name!r}; one of {sorted(_TRAITS)}")
+            setattr(cls, name, frozenset(value) if name == "requires" else value)
 
     def __init__(self, cfg: MethodConfig, ctx: CodecContext):
         self.cfg, self.ctx = cfg, ctx

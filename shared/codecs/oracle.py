@@ -4,7 +4,7 @@ The quality ceiling and the TTFT to beat."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
 from shared.errors import InvalidPayload
@@ -18,10 +18,7 @@ class OracleSession(DecodeSession):
         return self.model.own_cache(self.job.prompt_ids[: self.job.n_tokens])
 
 
-class Oracle(TransferMethod):
-    kind: ClassVar[str] = "oracle"
-    lossless: ClassVar[bool] = True
-    transfers_layers: ClassVar[bool] = False
+class Oracle(TransferMethod, kind="oracle", lossless=True, transfers_layers=False):
 
     class Config(MethodConfig):
         kind: Literal["oracle"] = "oracle"

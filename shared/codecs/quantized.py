@@ -4,7 +4,7 @@ per byte on the wire, and the most recent ``residual`` tokens kept in fp16."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -15,9 +15,7 @@ from shared.errors import InvalidPayload
 from shared.model.hf_adapter import from_rows, to_rows
 
 
-class QuantKV(TransferMethod):
-    kind: ClassVar[str] = "quant"
-    compressive: ClassVar[bool] = True
+class QuantKV(TransferMethod, kind="quant", compressive=True):
 
     class Config(MethodConfig):
         kind: Literal["quant"] = "quant"

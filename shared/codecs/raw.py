@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -20,8 +20,7 @@ class RawSession(DecodeSession):
             raise InvalidPayload(f"raw layer {layer} lacks tensor {e.args[0]!r}; expected 'k' and 'v'") from None
 
 
-class RawKV(TransferMethod):
-    kind: ClassVar[str] = "raw"
+class RawKV(TransferMethod, kind="raw"):
 
     class Config(MethodConfig):
         kind: Literal["raw"] = "raw"

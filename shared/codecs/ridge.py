@@ -5,7 +5,7 @@ the pair's profile (``scd calibrate --method ridge``), needed on the producer on
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -14,12 +14,8 @@ from shared.codecs.raw import RawSession
 from shared.errors import ConfigError
 
 
-class RidgeMap(TransferMethod):
+class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profile"}):
     """K/V mapped into the consumer's space on the producer; the consumer uses them as they come."""
-
-    kind: ClassVar[str] = "ridge"
-    cross_model: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset({"profile"})
 
     class Config(MethodConfig):
         """No settings: the maps are the pair's profile, applied as calibrated."""

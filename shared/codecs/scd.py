@@ -17,7 +17,7 @@ projector can be swapped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import field_validator
@@ -55,12 +55,7 @@ class SCDSession(BlockSession):
         return self.method._uncode(tensors, "r", self.model.hidden_size)
 
 
-class SCD(RecomputesBlocks, TransferMethod):
-    kind: ClassVar[str] = "scd"
-    compressive: ClassVar[bool] = True
-    cross_model: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset({"artifacts"})
-
+class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_model=True, requires={"artifacts"}):
     class Config(MethodConfig):
         kind: Literal["scd"] = "scd"
         patch_layers: Literal["auto", "none"] | list[int] = "auto"
@@ -171,10 +166,8 @@ class SCD(RecomputesBlocks, TransferMethod):
         return self._patch(layer, tensors) if layer in self.patch else self._reuse(layer, tensors)
 
 
-class SCDReuse(SCD):
+class SCDReuse(SCD, kind="scd-reuse"):
     """REUSE at every layer, no PATCH: the ablation that shows what PATCH earns."""
-
-    kind: ClassVar[str] = "scd-reuse"
 
     class Config(MethodConfig):
         kind: Literal["scd-reuse"] = "scd-reuse"

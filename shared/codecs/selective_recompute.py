@@ -7,7 +7,7 @@ pair) or from the ``blocks`` setting."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import field_validator
@@ -101,11 +101,7 @@ class DroidSpeakSession(BlockSession):
         return tensors["h"]
 
 
-class DroidSpeak(RecomputesBlocks, TransferMethod):
-    kind: ClassVar[str] = "droidspeak"
-    cross_model: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset({"profile"})
-
+class DroidSpeak(RecomputesBlocks, TransferMethod, kind="droidspeak", cross_model=True, requires={"profile"}):
     class Config(MethodConfig):
         kind: Literal["droidspeak"] = "droidspeak"
         blocks: Literal["auto"] | list[list[int]] = "auto"

@@ -9,7 +9,7 @@ the pair can take int4 at all; a pair that fails it gets the two-tier fp16 + int
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -56,12 +56,8 @@ def allocate(importance: torch.Tensor, protected: int, budget: float, int4: bool
     return tiers
 
 
-class SpectrumKV(TransferMethod):
+class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"profile"}):
     """Per-token precision (fp16 / int8 / int4) by the attention each token receives."""
-
-    kind: ClassVar[str] = "spectrum"
-    compressive: ClassVar[bool] = True
-    requires: ClassVar[frozenset[str]] = frozenset({"profile"})
 
     class Config(MethodConfig):
         kind: Literal["spectrum"] = "spectrum"
