@@ -167,3 +167,14 @@ def test_cli_pair_commands(home, folders):
     assert res.exit_code == 2 and "unknown pair 'nope'" in res.output
     res = r.invoke(app, ["calibrate", "--pair", "nope"])
     assert res.exit_code == 2 and "scd pair add" in res.output
+
+
+def test_builtin_pairs_use_the_running_checkouts_store(home, folders, monkeypatch):
+    """A registry shared by two clones must not send one clone to the other's committed store."""
+    from shared.paths import STORE_DIR
+
+    monkeypatch.delenv("SCD_STORE", raising=False)
+    e = registry.add("builtin-like", folders["producer"], folders["consumer"], builtin=True)
+    assert e.store is None and e.store_dir() == STORE_DIR
+    body = json.loads((home / "home" / "pairs.json").read_text())
+    assert body["pairs"]["builtin-like"]["store"] is None

@@ -50,8 +50,9 @@ class PairEntry(BaseModel):
     tokenizer: str
     """The folder whose tokenizer and chat template format this pair's prompts (the consumer's when it
     has one: it is the model that answers)."""
-    store: str
-    """The artifact store this pair's calibration artifacts and profiles are written to and read from."""
+    store: str | None = None
+    """The artifact store this pair's calibration artifacts and profiles are written to and read from;
+    None (the built-in pairs): the committed store of the running checkout, wherever it is cloned."""
     builtin: bool = False
     model_type: str
     n_layers: int
@@ -67,6 +68,9 @@ class PairEntry(BaseModel):
     weights_stat: dict[str, list[int]] = {}
     """size and mtime of every weight file when fingerprinted: a changed file is fingerprinted again."""
     registered_at: str = ""
+
+    def store_dir(self) -> Path:
+        return Path(self.store) if self.store else default_store(builtin=True)
 
     def consumer_model(self) -> tuple[str, str | None]:
         """(folder, adapter) to load the consumer from."""
@@ -90,6 +94,14 @@ def default_store(builtin: bool = False) -> Path:
     if os.environ.get("SCD_STORE"):
         return Path(os.environ["SCD_STORE"]).expanduser()
     return STORE_DIR if builtin else scd_home() / "store"
+
+
+def _store_setting(store: str | Path | None, builtin: bool) -> str | None:
+    if store:
+        return str(Path(store).expanduser().resolve())
+    if builtin and not os.environ.get("SCD_STORE"):
+        return None  # resolved at use: the checkout's committed store
+    return str(default_store(builtin))
 
 
 def load() -> Registry:
@@ -267,7 +279,7 @@ def add(name: str, producer: str | Path, consumer: str | Path | None = None, ada
     lay = info["layout"]
     entry = PairEntry(
         name=name, producer=info["producer"], consumer=info["consumer"], consumer_adapter=info["adapter"],
-        tokenizer=info["tokenizer"], store=str(Path(store).expanduser().resolve() if store else default_store(builtin)),
+        tokenizer=info["tokenizer"], store=_store_setting(store, builtin),
         builtin=builtin, model_type=info["model_type"], n_layers=lay["num_hidden_layers"],
         n_heads=lay["num_attention_heads"], n_kv_heads=lay["num_key_value_heads"], head_dim=lay["head_dim"],
         hidden_size=lay["hidden_size"], vocab_size=lay["vocab_size"], dtype=info["dtype"],
@@ -282,7 +294,7 @@ def add(name: str, producer: str | Path, consumer: str | Path | None = None, ada
 def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
     """What the store holds for the pair: SCD artifacts and each baseline's profile, and whether
     each is pinned to the registered weights."""
-    store = Path(store or entry.store)
+    store = Path(store) if store else entry.store_dir()
     out: dict = {}
     meta = store / entry.name / "meta.json"
     if meta.exists():

@@ -162,7 +162,7 @@ def _models(cfg: BenchConfig):
     pm = cfg.producer_model or e.producer
     cm, adapter = (cfg.consumer_model, None) if cfg.consumer_model else e.consumer_model()
     tok = load_tokenizer(Path(e.tokenizer if e else pm), required=False)
-    store = cfg.store or (e.store if e else str(registry.default_store(builtin=True)))
+    store = cfg.store or str(e.store_dir() if e else registry.default_store(builtin=True))
     return pm, cm, adapter, tok, store
 
 

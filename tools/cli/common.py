@@ -59,7 +59,7 @@ class PairModels:
         return self.entry.name
 
     def store(self, override: Path | None = None) -> Path:
-        return Path(override) if override else Path(self.entry.store)
+        return Path(override) if override else self.entry.store_dir()
 
 
 def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairModels:

@@ -36,7 +36,8 @@ def add(
     except (SCDError, OSError) as err:
         fail(str(err))
     typer.echo(f"registered pair {e.name!r}: {e.model_type}, {e.n_layers} layers, {e.n_kv_heads} KV heads x "
-               f"{e.head_dim}; producer {e.producer_fingerprint}, consumer {e.consumer_fingerprint}; store {e.store}")
+               f"{e.head_dim}; producer {e.producer_fingerprint}, consumer {e.consumer_fingerprint}; "
+               f"store {e.store_dir()}")
     typer.echo(f"next: scd calibrate --pair {e.name} --data PROMPTS.jsonl")
 
 
@@ -80,7 +81,7 @@ def show(name: str = typer.Argument(...),
     for k, v in body.items():
         if k != "stored":
             typer.echo(f"{k:<22}{v}")
-    typer.echo("stored" + ("" if have else f"                none in {store or e.store} (run `scd calibrate "
+    typer.echo("stored" + ("" if have else f"                none in {store or e.store_dir()} (run `scd calibrate "
                                                 f"--pair {name}`)"))
     for kind, info in have.items():
         typer.echo(f"  {kind:<20}{'pinned to these weights' if info['pinned'] else 'STALE: made for other weights'}"
@@ -97,4 +98,4 @@ def remove(name: str = typer.Argument(...)) -> None:
         e = registry.remove(name)
     except SCDError as err:
         fail(str(err))
-    typer.echo(f"removed pair {name!r} (its artifacts, if any, remain in {e.store})")
+    typer.echo(f"removed pair {name!r} (its artifacts, if any, remain in {e.store_dir()})")

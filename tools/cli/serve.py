@@ -112,7 +112,7 @@ def serve_consumer(
         if model is None:
             model, adapter = e.consumer_model()
     extra = {}
-    store_dir = Path(store) if store else (Path(e.store) if e else None)
+    store_dir = Path(store) if store else (e.store_dir() if e else None)
     if quick:  # no settings file: serve what the store holds for this consumer
         if store_dir is None:
             from tools.assets.registry import default_store
@@ -153,7 +153,7 @@ def serve_producer(
         if store:
             store_dir = Path(store)
         elif e is not None:
-            store_dir = Path(e.store)
+            store_dir = e.store_dir()
         else:
             from tools.assets.registry import default_store
 

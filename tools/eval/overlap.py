@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
 
 from tools import client
 
@@ -48,7 +47,7 @@ def run(pair: str = "strong", n_tokens: int = 1000, methods=("raw",), iters: int
         folder, adapter = e.consumer_model()
         base, cons, tok = load_model(e.producer), load_model(folder, adapter=adapter), load_tokenizer(e.tokenizer)
         prompt = _prompt(tok, n_tokens)
-        store_dir = Path(e.store)
+        store_dir = e.store_dir()
     from shared.codecs import CODECS
 
     if tiny:
