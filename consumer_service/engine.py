@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from shared.domain import (
     HeaderReceived,
     LayerReceived,
     SamplingRequest,
+    Schema,
     StreamEvent,
     StreamHeader,
     Timings,
@@ -27,7 +28,15 @@ from shared.domain import (
     TrailerReceived,
 )
 from shared.engine import Engine
-from shared.errors import FingerprintMismatch, InvalidPayload, InvalidRequest, PreconditionFailed, UnknownMethod
+from shared.errors import (
+    MAX_ID_CHARS,
+    FingerprintMismatch,
+    InvalidPayload,
+    InvalidRequest,
+    PreconditionFailed,
+    UnknownMethod,
+    clip,
+)
 from shared.generation import Generator, Sampling
 from shared.metrics import Metrics
 from shared.rpc.wire import PROTOCOL_VERSION
@@ -50,10 +59,15 @@ class Request:
 
 @dataclass
 class TransferRecord:
-    """What the servicer needs for its metrics, filled as the engine learns it."""
+    """What the servicer and the engine share about one stream: the engine fills the method, the
+    fallback and the schema the frames must follow once it has opened the request; the servicer
+    counts the wire bytes that arrived."""
 
     method: str = "unknown"
     fallback: str = ""
+    schema: Callable[[int], Schema] | None = None
+    bytes_in: int = 0
+    waited_s: float = 0.0  # time spent waiting for frames (not reconstructing)
 
 
 class ConsumerEngine(Engine):
@@ -111,10 +125,12 @@ class ConsumerEngine(Engine):
 
     def open(self, h: StreamHeader) -> Request:
         s = self.settings
+        if len(h.request_id) > MAX_ID_CHARS:
+            raise InvalidRequest(f"request_id has {len(h.request_id)} characters; at most {MAX_ID_CHARS}")
         if h.consumer and h.consumer != s.name:
-            raise InvalidRequest(f"stream addressed to consumer {h.consumer!r}; this is {s.name!r}")
+            raise InvalidRequest(f"stream addressed to consumer {clip(h.consumer)}; this is {s.name!r}")
         if h.method not in s.methods:
-            raise UnknownMethod(f"method {h.method!r} is not enabled on consumer {s.name!r}; enabled: "
+            raise UnknownMethod(f"method {clip(h.method)} is not enabled on consumer {s.name!r}; enabled: "
                                 f"{list(s.methods)}")
         bad = self.incompatibility(h)
         if bad is not None and s.fallback != "recompute":
@@ -129,11 +145,7 @@ class ConsumerEngine(Engine):
             raise InvalidPayload(f"header n_tokens={h.n_tokens}; expected prompt length - 1 = {n_prompt - 1}")
         sampling = self.sampling(h.sampling)
         if bad is not None:  # fallback: prefill the prompt with our own model, ignore the frames
-            log.warning("request %s: %s; recomputing the prefill (fallback=recompute)", h.request_id, bad[1])
-            from shared.codecs.oracle import Oracle
-
-            job = DecodeJob(prompt_ids=list(h.prompt_ids), n_tokens=n_prompt - 1, start=0)
-            return Request(h, Oracle(Oracle.Config(), self.ctx).start(job), sampling, fallback=bad[0])
+            return self._fallback(h, sampling, *bad)
         start = 0
         if h.native_prefix and h.prefix_len:
             p = h.prefix_len
@@ -142,6 +154,13 @@ class ConsumerEngine(Engine):
                                      "chat-template prefix; send native_prefix=false")
             start = p
         method = make_method(h.method, self.ctx, dict(h.params))
+        if h.pin != method.pin():
+            msg = (f"the producer encoded with calibration data {h.pin or 'none'!r} for method {h.method!r}; this "
+                   f"consumer loaded {method.pin() or 'none'!r}: deploy the same `scd calibrate` output (artifact "
+                   "store) to both services")
+            if s.fallback != "recompute":
+                raise PreconditionFailed(msg)
+            return self._fallback(h, sampling, "artifacts", msg)
         job = DecodeJob(
             prompt_ids=list(h.prompt_ids), n_tokens=h.n_tokens, start=start,
             prefix_keys=tuple(k[:, :, :start] for k in self.prefix_keys) if start else (),
@@ -149,11 +168,21 @@ class ConsumerEngine(Engine):
         )
         return Request(h, method.start(job), sampling)
 
+    def _fallback(self, h: StreamHeader, sampling: Sampling, reason: str, why: str) -> Request:
+        """The consumer prefills the prompt itself; the stream's frames are verified and dropped."""
+        log.warning("request %s: %s; recomputing the prefill (fallback=recompute)", clip(h.request_id), why)
+        from shared.codecs.oracle import Oracle
+
+        job = DecodeJob(prompt_ids=list(h.prompt_ids), n_tokens=len(h.prompt_ids) - 1, start=0)
+        return Request(h, Oracle(Oracle.Config(), self.ctx).start(job), sampling, fallback=reason)
+
     def cache_estimate(self, req: Request) -> int:
-        """Bytes the request's cache will hold at its longest: (prompt + max_new_tokens) positions."""
+        """Bytes the request may hold, charged before anything is allocated: its cache at its
+        longest ((prompt + max_new_tokens) positions) and the payload its method declares."""
         a = self.adapter
         per_token = a.n_layers * 2 * a.n_kv_heads * a.head_dim * torch.empty((), dtype=a.dtype).element_size()
-        return (len(req.header.prompt_ids) + req.sampling.max_new_tokens) * per_token
+        payload = req.session.max_transfer_bytes() if req.session is not None and not req.fallback else 0
+        return (len(req.header.prompt_ids) + req.sampling.max_new_tokens) * per_token + payload
 
     def sampling(self, sp: SamplingRequest) -> Sampling:
         s = self.settings
@@ -183,22 +212,44 @@ class ConsumerEngine(Engine):
                          self.stop_ids)
 
     # ------------------------------------------------------------------ the stream
-    async def _next(self, events: AsyncIterator[StreamEvent], deadline: float) -> StreamEvent:
-        """The next event, within the frame lease and the request's deadline."""
-        lease = self.settings.frame_timeout_s
-        left = deadline - time.time()
+    def _progress_left(self, record: TransferRecord) -> float:
+        """Seconds of waiting the stream may still use at the minimum progress rate."""
+        s = self.settings
+        if not s.min_progress_bytes_per_s:
+            return float("inf")
+        return s.progress_grace_s + record.bytes_in / s.min_progress_bytes_per_s - record.waited_s
+
+    async def _next(self, events: AsyncIterator[StreamEvent], deadline: float,
+                    record: TransferRecord | None = None) -> StreamEvent:
+        """The next event, within the frame lease, the minimum progress rate and the request's deadline."""
+        s = self.settings
+        lease, left = s.frame_timeout_s, deadline - time.time()
+        progress = self._progress_left(record) if record is not None else float("inf")
         if left <= 0:
             raise TimeoutError("the request's deadline passed; request aborted and its memory freed")
+        if progress <= 0:
+            raise TimeoutError(self._slow(record))
+        t0 = time.perf_counter()
         try:
-            return await asyncio.wait_for(anext(events), min(lease, left))
+            return await asyncio.wait_for(anext(events), min(lease, left, progress))
         except StopAsyncIteration:
             raise InvalidPayload("the stream ended before its trailer; frames were lost") from None
         except asyncio.TimeoutError:
-            if left <= lease:
+            if left <= min(lease, progress):
                 raise TimeoutError("the request's deadline passed while waiting for frames; request aborted and "
                                    "its memory freed") from None
+            if progress < lease:
+                raise TimeoutError(self._slow(record)) from None
             raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
                                ) from None
+        finally:
+            if record is not None:
+                record.waited_s += time.perf_counter() - t0
+
+    def _slow(self, record) -> str:
+        return (f"the stream delivered {record.bytes_in:,} bytes in {record.waited_s:.1f} s of waiting, under "
+                f"min_progress_bytes_per_s={self.settings.min_progress_bytes_per_s}; request aborted and its "
+                "memory freed")
 
     async def transfer(self, events: AsyncIterator[StreamEvent], deadline: float, record: TransferRecord,
                        hold: bool = False) -> AsyncGenerator[TokenEvent, None]:
@@ -215,15 +266,36 @@ class ConsumerEngine(Engine):
         record.fallback = req.fallback
         if req.fallback:
             self.metrics.fallbacks.labels(req.fallback).inc()
+        else:
+            assert req.session is not None
+            record.schema = req.session.schema
         s = self.settings
         wait = max(0.0, min(s.max_queue_wait_s, deadline - time.time()))
         async with self.admission.slot(self.cache_estimate(req), wait):
-            if not req.fallback:  # with the fallback the frames are not read: the producer's call ends with ours
-                await self._reconstruct(req, events, deadline, hold)
-            async for ev in self._decode(req, deadline):
-                yield ev
+            drain = None
+            if req.fallback:  # the frames are verified and dropped while the consumer prefills itself
+                drain = asyncio.create_task(self._drain(events, deadline, record))
+            else:
+                await self._reconstruct(req, events, deadline, hold, record)
+            try:
+                async for ev in self._decode(req, deadline):
+                    yield ev
+                if drain is not None:  # the answer is out; the call ends once the producer has sent it all
+                    await drain
+            finally:
+                if drain is not None:
+                    drain.cancel()
 
-    async def _reconstruct(self, req: Request, events, deadline: float, hold: bool) -> None:
+    async def _drain(self, events, deadline: float, record: TransferRecord) -> None:
+        """Read the rest of a stream the consumer does not use, so that the producer's call ends
+        cleanly; a fault in it does not concern the answer (which does not depend on it)."""
+        try:
+            while not isinstance(await self._next(events, deadline, record), TrailerReceived):
+                pass
+        except Exception as e:  # noqa: BLE001 - logged; the request is served from the consumer's own prefill
+            log.info("request %s: the unused stream ended early (%s)", record.method, e)
+
+    async def _reconstruct(self, req: Request, events, deadline: float, hold: bool, record: TransferRecord) -> None:
         """A reader task pulls layers into a bounded queue while this loop reconstructs them on the
         worker: layer l+1 arrives while layer l is rebuilt."""
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.settings.read_ahead_layers)
@@ -231,7 +303,7 @@ class ConsumerEngine(Engine):
         async def receive() -> None:
             try:
                 while True:
-                    ev = await self._next(events, deadline)
+                    ev = await self._next(events, deadline, record)
                     req.t_last = time.perf_counter()
                     req.t_first = req.t_first or req.t_last
                     await queue.put(ev)
@@ -268,7 +340,7 @@ class ConsumerEngine(Engine):
         t_first = req.t_first or time.perf_counter()
         t_last = req.t_last or t_first
         t_dec = time.perf_counter()
-        first = None
+        first, index = None, 0
         while not gen.finished:
             if time.time() > deadline:
                 raise TimeoutError("the request's deadline passed during decoding; request aborted and its memory "
@@ -277,8 +349,10 @@ class ConsumerEngine(Engine):
             if first is None:
                 first = time.perf_counter()
                 m.ttft.labels(h.method).observe(first - t_first)
-            ev = TokenEvent(text=step.text, token_id=step.token_id, index=len(gen.tokens) - 1,
-                            finish_reason=step.finish_reason, request_id=h.request_id)
+            # the index counts events: an answer that stops at once is one event, index 0, no text
+            ev = TokenEvent(text=step.text, token_id=step.token_id, index=index, finish_reason=step.finish_reason,
+                            request_id=h.request_id)
+            index += 1
             if gen.finished:
                 dt = time.perf_counter() - t_dec
                 ev.timings = Timings(

@@ -8,6 +8,8 @@ import contextlib
 import logging
 import time
 
+import grpc
+
 from consumer_service.engine import ConsumerEngine, TransferRecord
 from shared.codecs import CODECS
 from shared.config import BENCH_HOLD_METADATA
@@ -32,16 +34,23 @@ class ConsumerServicer(pbg.ConsumerServicer):
         dec = FrameDecoder(Limits(max_stream_bytes=self.engine.settings.max_stream_bytes),
                            n_layers=self.engine.adapter.n_layers)
         m = self.metrics
-        async for frame in request_iterator:
-            ev = dec.feed(frame)
-            if isinstance(ev, HeaderReceived):
-                record.method = ev.header.method if ev.header.method in CODECS else "unknown"
-            m.frames.labels(record.method).inc()
-            m.wire_bytes.labels(record.method).inc(frame.ByteSize())
-            if ev is not None:
-                yield ev
-        if not dec.done:
-            raise InvalidPayload("the stream ended before its trailer; frames were lost")
+        try:
+            async for frame in request_iterator:
+                ev = dec.feed(frame)
+                if isinstance(ev, HeaderReceived):
+                    record.method = ev.header.method if ev.header.method in CODECS else "unknown"
+                size = frame.ByteSize()
+                record.bytes_in += size
+                m.frames.labels(record.method).inc()
+                m.wire_bytes.labels(record.method).inc(size)
+                if ev is not None:
+                    yield ev
+                    if isinstance(ev, HeaderReceived):  # the engine has opened the request: what may follow
+                        dec.plan(record.schema, discard=bool(record.fallback))
+            if not dec.done:
+                raise InvalidPayload("the stream ended before its trailer; frames were lost")
+        finally:
+            dec.close()
 
     @grpc_errors
     async def Transfer(self, request_iterator, context):
@@ -58,7 +67,10 @@ class ConsumerServicer(pbg.ConsumerServicer):
                     yield convert.event_to_pb(ev)
             outcome = "ok"
         except Exception as e:
-            outcome = status_for(e)[0].name.lower()
+            code, message = status_for(e)
+            outcome = code.name.lower()
+            if code != grpc.StatusCode.INTERNAL:  # in band first: a sender still writing may see only a transport error
+                yield pb.TokenEvent(error=pb.ErrorStatus(code=code.name, message=message))
             raise
         finally:
             self.metrics.requests.labels(record.method, outcome, record.fallback or "none").inc()

@@ -34,6 +34,12 @@ class ConsumerSettings(ServiceSettings):
     layer is rebuilt, and at most this many decoded layers wait in memory."""
     frame_timeout_s: float = Field(30.0, gt=0)
     """A request that receives no frame for this long is aborted and its memory freed (lease)."""
+    min_progress_bytes_per_s: int = Field(65536, ge=0)
+    """A stream must deliver at least this many wire bytes per second of waiting for it (after
+    ``progress_grace_s``), or it is aborted and its admission slot freed: a peer that trickles
+    frames cannot hold a slot until the deadline. Time the consumer spends reconstructing does not
+    count. 0 turns the check off."""
+    progress_grace_s: float = Field(5.0, ge=0)
     fallback: Literal["fail", "recompute"] = "fail"
     """A stream whose protocol version, method version, pair fingerprint or depth does not match what
     this consumer loaded: ``fail`` refuses it (FAILED_PRECONDITION, the message says which side to
@@ -44,8 +50,9 @@ class ConsumerSettings(ServiceSettings):
     max_queue: int = Field(16, ge=0)
     """Requests that may wait for admission; past it, RESOURCE_EXHAUSTED."""
     cache_budget_bytes: int = Field(0, ge=0)
-    """Memory budget for the caches of admitted requests, estimated before allocation as
-    (prompt + max_new_tokens) x layers x 2 x kv_heads x head_dim x element size; 0 = unbounded."""
+    """Memory budget of admitted requests, charged before anything is allocated: each request's
+    cache, (prompt + max_new_tokens) x layers x 2 x kv_heads x head_dim x element size, plus the
+    payload its method declares for the transfer; 0 = unbounded."""
     max_queue_wait_s: float = Field(30.0, gt=0)
     """A request waits at most this long (and never past its deadline) for admission."""
     max_stream_bytes: int = Field(4 << 30, ge=1 << 20)

@@ -12,10 +12,29 @@ from producer_service.settings import ProducerSettings
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
-from shared.errors import ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod
+from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
 from shared.model.hf_adapter import PrefillState
 from shared.model.prompt import PromptFormat
 from shared.rpc.wire import PROTOCOL_VERSION
+
+
+def check_ids(request_id: str) -> None:
+    if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequest(f"request_id must be at most {MAX_ID_CHARS} printable characters; got {clip(request_id)}")
+
+
+def check_sampling(sp) -> None:
+    """Numbers the wire carries in fixed-width fields (the consumer checks them against its limits)."""
+    import math
+
+    if not 0 <= sp.max_new_tokens < 2**32:
+        raise InvalidRequest(f"max_new_tokens={sp.max_new_tokens}; send 1 to the consumer's limit (0: its default)")
+    if not 0 <= sp.seed < 2**64:
+        raise InvalidRequest(f"seed={sp.seed}; send 0 to 2^64 - 1")
+    if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):
+        raise InvalidRequest("temperature and top_p must be finite numbers")
+    if len(sp.stop) > 16 or any(len(x) > 256 for x in sp.stop):
+        raise InvalidRequest("send at most 16 stop strings of at most 256 characters")
 
 
 @dataclass
@@ -70,10 +89,12 @@ class ProducerEngine(Engine):
     def prepare(self, req: GenerateRequest) -> Prepared:
         s = self.settings
         if req.consumer not in s.consumers:
-            raise NotFound(f"unknown consumer {req.consumer!r}; this producer knows {sorted(s.consumers)}")
+            raise NotFound(f"unknown consumer {clip(req.consumer)}; this producer knows {sorted(s.consumers)}")
         kind = req.method or s.default_method
         if kind not in s.methods:
-            raise UnknownMethod(f"unknown transfer method {kind!r}; this producer offers {list(s.methods)}")
+            raise UnknownMethod(f"unknown transfer method {clip(kind)}; this producer offers {list(s.methods)}")
+        check_ids(req.request_id)
+        check_sampling(req.sampling)
         ctx = self.ctxs[req.consumer]
         needs = CODECS[kind].requires
         if ("artifacts" in needs and ctx.artifacts is None) or ("profile" in needs and kind not in ctx.profiles):
@@ -93,13 +114,16 @@ class ProducerEngine(Engine):
             ids, _ = fmt.encode(req.prompt)
         else:
             ids = list(req.prompt)
+        if len(ids) == 1 and fmt is not None and fmt.doc_start_id is not None:
+            ids = [fmt.doc_start_id, *ids]  # one token: it starts a document (the cache must hold one position)
         if len(ids) < 2:
             raise InvalidRequest(f"prompt has {len(ids)} token(s); at least 2 are needed")
         if len(ids) > s.max_prompt_tokens:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {s.max_prompt_tokens}")
         vocab = self.adapter.config.vocab_size
-        if max(ids) >= vocab:
-            raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary (size {vocab})")
+        if max(ids) >= vocab or min(ids) < 0:
+            bad = max(ids) if max(ids) >= vocab else min(ids)
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
         pre = fmt.prefix_ids if fmt else []
         prefix = len(pre) if req.native_prefix and pre and ids[: len(pre)] == pre else 0
         return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address)
@@ -108,7 +132,7 @@ class ProducerEngine(Engine):
         m = p.method
         return StreamHeader(
             request_id=request_id, method=m.kind, method_version=m.version, protocol_version=PROTOCOL_VERSION,
-            pair_fingerprint=f"{self.fingerprint}:{m.kind}.v{m.version}:{m.cfg.fingerprint()}",
+            pair_fingerprint=f"{self.fingerprint}:{m.kind}.v{m.version}:{m.cfg.fingerprint()}:{m.pin()}",
             n_layers=self.adapter.n_layers, n_tokens=len(p.prompt_ids) - 1, prompt_ids=tuple(p.prompt_ids),
             params=m.cfg.wire_params(), sampling=p.request.sampling, native_prefix=bool(p.prefix_len),
             prefix_len=p.prefix_len, consumer=p.request.consumer, deadline_unix=deadline_unix)

@@ -12,13 +12,14 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer_service.servicer import ProducerServicer
 from shared.domain import GenerateRequest, SamplingRequest, TokenEvent
@@ -26,18 +27,39 @@ from shared.errors import InvalidRequest, SCDError
 from shared.rpc.errors import status_for
 from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
 
+U32 = 2**32
+TokenId = Annotated[int, Field(ge=0, lt=U32)]
+
+
+def _check_text(value, where: str = "body") -> None:
+    """Every string of the body must be encodable as UTF-8 (a lone surrogate such as "\\ud800"
+    is valid JSON but not text)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} holds a character that is not valid Unicode text at position {e.start} "
+                             "(a lone surrogate); send UTF-8 text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}" if isinstance(k, str) and len(k) < 64 else where)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI fields this server does not use are ignored
 
-    model: str = Field(..., min_length=1)
+    model: str = Field(..., min_length=1, max_length=256)
     """The consumer's name."""
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = 0.0
-    top_p: float = 1.0
+    max_tokens: int | None = Field(None, ge=1, lt=U32)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=U32)
+    temperature: float = Field(0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
     # SCD extensions
@@ -45,9 +67,15 @@ class _Body(BaseModel):
     method_params: dict[str, str] = {}
     native_prefix: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data):
+        _check_text(data)
+        return data
+
 
 class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
 class Message(BaseModel):
@@ -102,26 +130,78 @@ def _request(body: _Body, ids: list[int]) -> GenerateRequest:
     )
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused with 413, by its
+    Content-Length before it is read, or as it arrives when it is chunked (never read whole)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        msg = f"request body over {self.limit} bytes (max_http_body_bytes); send a smaller request"
+        n = dict(scope.get("headers") or ()).get(b"content-length")
+        if n is not None and (not n.isdigit() or int(n) > self.limit):
+            return await _send_error(send, 413, msg)
+        seen, over, started = 0, False, False
+
+        async def limited():
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    over = True
+                    raise HTTPException(413, msg)  # stops the read; the app's own answer to it is replaced
+            return message
+
+        async def guarded(message):
+            nonlocal started
+            if over:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited, guarded)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await _send_error(send, 413, msg)
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    body = json.dumps(error_body(grpc.StatusCode.INVALID_ARGUMENT, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+_HTTP_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+               404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED,
+               413: grpc.StatusCode.INVALID_ARGUMENT}
+
+
 def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     eng = servicer.engine
     s = eng.settings
     app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
-    add_metrics_routes(app, servicer.metrics)
-
-    @app.middleware("http")
-    async def _bounded_body(request: Request, call_next):  # size checked before the body is read
-        n = request.headers.get("content-length")
-        if n is not None and (not n.isdigit() or int(n) > s.max_http_body_bytes):
-            return JSONResponse(error_body(grpc.StatusCode.INVALID_ARGUMENT,
-                                           f"request body over {s.max_http_body_bytes} bytes"), status_code=413)
-        return await call_next(request)
-
-    add_auth(app, token, servicer.metrics)  # registered last: runs first
+    add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": {
+        n: "serving" if ok else "unavailable" for n, ok in servicer.consumers_ready.items()}})
+    add_auth(app, token, servicer.metrics)
+    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes)  # added last: runs first, before the token check
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
         msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
-        return error_response(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {msg}")
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {msg[:2000]}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # 404, 405, 413...: OpenAI-style bodies too
+        code = _HTTP_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
 
     @app.get("/v1/models")
     async def models():

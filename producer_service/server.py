@@ -31,6 +31,11 @@ def build_server(engine: ProducerEngine) -> tuple[GRPCServer, ProducerServicer]:
     interceptors = [BearerAuthInterceptor(token, servicer.metrics.auth_failures.labels("grpc").inc)] if token else []
     server = GRPCServer(lambda srv: pbg.add_ProducerServicer_to_server(servicer, srv), s.server.host, s.server.port,
                         ["scd.v1.Producer"], interceptors, s.security.server_credentials())
+
+    async def probes():
+        servicer.start_probes(server.health)
+
+    server.on_start.append(probes)
     server.http = None
     if s.http.port is not None:
         from producer_service.http import make_app

@@ -4,6 +4,7 @@ only; the engine prepares, prefills and encodes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -35,6 +36,8 @@ class ProducerServicer(pbg.ProducerServicer):
         self._peer_creds = sec.peer_credentials()
         self._peer_md = auth_metadata(sec.bearer())  # the producer sends its own token to its consumers
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._probe: asyncio.Task | None = None
+        self.consumers_ready: dict[str, bool] = {}  # the last probe's results (empty: not probed yet)
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -45,8 +48,55 @@ class ProducerServicer(pbg.ProducerServicer):
         return self._channels[address]
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
         for ch in self._channels.values():
             await ch.close()
+
+    # ------------------------------------------------------------------ readiness per consumer
+    async def probe_once(self, health=None) -> dict[str, bool]:
+        """Each consumer's gRPC health, now; published on ``health`` when given."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        s = self.engine.settings
+
+        async def check(name: str, address: str) -> bool:
+            try:
+                r = await health_pb2_grpc.HealthStub(self.channel(address)).Check(
+                    health_pb2.HealthCheckRequest(service="scd.v1.Consumer"), timeout=2.0)
+                return r.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                return False
+
+        names = list(s.consumers)
+        results = await asyncio.gather(*(check(n, s.consumers[n].address) for n in names))
+        self.consumers_ready = dict(zip(names, results))
+        if health is not None:
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            for name, ok in self.consumers_ready.items():
+                await health.set(f"scd.v1.Producer/{name}", serving if ok else not_serving)
+            overall = serving if any(results) or not names else not_serving
+            for service in ("", "scd.v1.Producer"):
+                await health.set(service, overall)
+        return self.consumers_ready
+
+    def start_probes(self, health) -> None:
+        period = self.engine.settings.health_probe_s
+        if not period:
+            return
+
+        async def loop():
+            while True:
+                try:
+                    await self.probe_once(health)
+                except Exception:  # noqa: BLE001 - a failed round leaves the last statuses; logged
+                    log.exception("consumer health probe failed")
+                await asyncio.sleep(period)
+
+        self._probe = asyncio.create_task(loop())
+
+    def ready(self) -> bool:
+        return not self.consumers_ready or any(self.consumers_ready.values())
 
     @grpc_errors
     async def Generate(self, request, context):
@@ -103,6 +153,8 @@ class ProducerServicer(pbg.ProducerServicer):
         ttft = None
         try:
             async for pev in call:
+                if pev.HasField("error"):  # the consumer failed the request: its status, whatever the transport says
+                    raise PeerError(pev.error.code, f"consumer {request.consumer!r}: {pev.error.message}")
                 ev = convert.event_from_pb(pev)
                 if ttft is None:
                     ttft = (time.perf_counter() - t0) * 1e3

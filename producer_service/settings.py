@@ -41,6 +41,10 @@ class ProducerSettings(ServiceSettings):
     http: HTTPSettings = HTTPSettings()
     """The OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, /v1/models), /health
     and /metrics; off unless http.port is set."""
+    health_probe_s: float = Field(5.0, ge=0)
+    """Every this many seconds the producer checks each consumer's gRPC health: its own health is
+    reported per consumer (service ``scd.v1.Producer/<consumer>``; HTTP /health lists them) and it
+    is SERVING only while at least one consumer is. 0: no probes, always SERVING."""
     max_http_body_bytes: int = Field(1 << 20, ge=1024)
     """HTTP request bodies larger than this are refused (413) before they are parsed."""
     security: SecuritySettings = SecuritySettings()

@@ -40,7 +40,7 @@ class StreamHeader:
     method: str
     method_version: int
     protocol_version: int
-    pair_fingerprint: str  # producer weights fingerprint, method kind and version, settings fingerprint
+    pair_fingerprint: str  # producer weights : method kind and version : settings : artifacts/profile pin
     n_layers: int
     n_tokens: int  # positions whose cache is transferred (prompt minus its last token)
     prompt_ids: tuple[int, ...]
@@ -54,6 +54,44 @@ class StreamHeader:
     @property
     def producer_fingerprint(self) -> str:
         return self.pair_fingerprint.split(":")[0]
+
+    @property
+    def pin(self) -> str:
+        """The content hash of the calibration artifacts or profile the producer encoded with ("" if none)."""
+        parts = self.pair_fingerprint.split(":")
+        return parts[3] if len(parts) > 3 else ""
+
+
+# ------------------------------------------------------------------ what a method declares it sends
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor a method sends for a layer: its dtype and shape. ``exact=False``: each dimension
+    is at most ``shape[i]`` (sizes that depend on the data, e.g. how many tokens a precision tier
+    holds); the method checks those against each other when it decodes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    exact: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def mismatch(self, dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+        """Why a tensor of ``dtype`` and ``shape`` does not fit this spec; None when it does."""
+        if dtype != self.dtype:
+            return f"dtype {dtype} where {self.dtype} is declared"
+        if self.exact and tuple(shape) != self.shape:
+            return f"shape {list(shape)} where {list(self.shape)} is declared"
+        if len(shape) != len(self.shape) or any(d < 0 or d > m for d, m in zip(shape, self.shape)):
+            return f"shape {list(shape)} outside the declared bounds {list(self.shape)}"
+        return None
+
+
+Schema = dict[str, TensorSpec]
 
 
 # ------------------------------------------------------------------ what a frame stream yields

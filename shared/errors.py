@@ -2,6 +2,16 @@
 to gRPC status codes (and the HTTP front to HTTP codes)."""
 
 
+MAX_ID_CHARS = 128
+"""Request ids and names a peer sends are at most this long (they are echoed in every token event)."""
+
+
+def clip(text: str, n: int = 64) -> str:
+    """A string from a request, quoted in an error message: bounded, so that an error never grows
+    with its input."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
 class SCDError(Exception):
     """Base of every domain error."""
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shared.artifacts.meta import FORMAT_VERSION, ArtifactMeta
+from shared.artifacts.profiles import PROFILE_FORMAT_VERSION, PROFILES, Profile
 from shared.errors import DataLoss, FingerprintMismatch, NotFound, PreconditionFailed
 
 SIDES = ("producer", "consumer")
@@ -101,8 +102,8 @@ def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, pro
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
     path = store_dir / f"{pair}.{kind}.json"
-    body = {"pair": pair, "kind": kind, "format_version": FORMAT_VERSION, "producer_fingerprint": producer_fingerprint,
-            "consumer_fingerprint": consumer_fingerprint, **payload}
+    body = {"pair": pair, "kind": kind, "format_version": PROFILE_FORMAT_VERSION,
+            "producer_fingerprint": producer_fingerprint, "consumer_fingerprint": consumer_fingerprint, **payload}
     if tensors is not None:
         fd, tmp_t = tempfile.mkstemp(prefix=f".{pair}.{kind}.", suffix=".safetensors", dir=store_dir)
         os.close(fd)
@@ -118,10 +119,29 @@ def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, pro
 
 def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerprint: str | None = None,
                  consumer_fingerprint: str | None = None) -> dict:
+    """A baseline's profile, validated against its kind's model (``profiles.py``) and pinned to the
+    fingerprints given; ``sha256`` is the file's content hash (the stream header carries it, so both
+    sides must hold the same profile), ``tensors`` the maps when the profile has any."""
     path = Path(store_dir) / f"{pair}.{kind}.json"
     if not path.exists():
         raise NotFound(f"no {kind} profile at {path}: run `scd calibrate --pair {pair} --method {kind}`")
-    body = json.loads(path.read_text())
+    raw = path.read_bytes()
+    try:
+        found = json.loads(raw)
+    except ValueError as e:
+        raise DataLoss(f"{path} is not JSON ({e}): restore it or rerun `scd calibrate --pair {pair} --method "
+                       f"{kind}`") from None
+    if not isinstance(found, dict) or found.get("format_version") != PROFILE_FORMAT_VERSION:
+        version = found.get("format_version") if isinstance(found, dict) else None
+        raise PreconditionFailed(f"{path} has profile format {version!r}; this build reads {PROFILE_FORMAT_VERSION}: "
+                                 f"rerun `scd calibrate --pair {pair} --method {kind}`")
+    model = PROFILES.get(kind, Profile)
+    try:
+        body = model.model_validate(found).model_dump()
+    except ValueError as e:
+        raise PreconditionFailed(f"{path} is not a valid {kind} profile ({str(e).splitlines()[0]}...): rerun "
+                                 f"`scd calibrate --pair {pair} --method {kind}`") from None
+    body["sha256"] = hashlib.sha256(raw).hexdigest()[:16]
     for who, want in (("producer", producer_fingerprint), ("consumer", consumer_fingerprint)):
         if want is not None and body.get(f"{who}_fingerprint") != want:
             raise FingerprintMismatch(f"{path} was profiled for {who} weights {body.get(f'{who}_fingerprint')!r}, "

@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from shared.errors import InvalidPayload
+from shared.domain import Schema, TensorSpec
+from shared.errors import DataLoss, InvalidPayload
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 
 
@@ -94,9 +95,20 @@ class DecodeSession(ABC):
         self.method, self.job, self.model = method, job, method.ctx.model
         self._rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def schema(self, layer: int) -> Schema:
+        """The tensors ``layer`` must carry (names, dtypes, shapes), as the method declares them."""
+        return self.method.schema(layer, self.job)
+
+    def max_transfer_bytes(self) -> int:
+        """The most payload bytes a conforming stream carries for this request (before lz4)."""
+        if not self.method.transfers_layers:
+            return 0
+        return sum(spec.nbytes for layer in range(self.model.n_layers) for spec in self.schema(layer).values())
+
     def add_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
         if layer != len(self._rotated):
             raise InvalidPayload(f"layer {layer} arrived out of order; expected layer {len(self._rotated)}")
+        check_tensors(self.method.kind, layer, self.schema(layer), tensors)
         k, v = self.decode_layer(layer, tensors)
         self._check(layer, k, v)
         dev, dt = self.model.device, self.model.dtype
@@ -111,6 +123,8 @@ class DecodeSession(ABC):
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
                 raise InvalidPayload(f"layer {layer} {name} decodes to shape {tuple(t.shape)}; expected {want}")
+            if not bool(torch.isfinite(t).all()):
+                raise DataLoss(f"layer {layer} {name} decodes to non-finite values: the payload is corrupt")
 
     @abstractmethod
     def decode_layer(self, layer: int, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +135,32 @@ class DecodeSession(ABC):
         if len(self._rotated) != self.model.n_layers:
             raise InvalidPayload(f"stream ended after {len(self._rotated)} of {self.model.n_layers} layers")
         return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
+
+
+def check_tensors(kind: str, layer: int, schema: Schema, tensors: dict[str, torch.Tensor]) -> None:
+    """Names, dtypes and shapes exactly as declared (``InvalidPayload``); floating-point values
+    finite (``DataLoss``)."""
+    if set(tensors) != set(schema):
+        missing, extra = sorted(set(schema) - set(tensors)), sorted(set(tensors) - set(schema))
+        raise InvalidPayload(f"{kind} layer {layer} carries tensors {sorted(tensors)[:8]}; expected {sorted(schema)}"
+                             + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra[:8]})" if extra
+                                                                              else ""))
+    for name, spec in schema.items():
+        t = tensors[name]
+        why = spec.mismatch(t.dtype, tuple(t.shape))
+        if why:
+            raise InvalidPayload(f"{kind} layer {layer} tensor {name!r}: {why}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise DataLoss(f"{kind} layer {layer} tensor {name!r} holds NaN or infinite values: the payload is corrupt")
+
+
+def kv_spec(model: ModelAdapter, n: int, dtype: torch.dtype = torch.float16) -> TensorSpec:
+    """K or V of ``n`` positions as the model lays them out: [1, H_kv, n, D]."""
+    return TensorSpec(dtype, (1, model.n_kv_heads, n, model.head_dim))
+
+
+SKIP = {"skip": TensorSpec(torch.uint8, (0,))}
+"""A layer inside a recompute block: nothing but a marker crosses."""
 
 
 class PerLayerSession(DecodeSession):
@@ -170,8 +210,20 @@ class TransferMethod(ABC):
     def encode_layer(self, state: PrefillState, layer: int, start: int) -> dict[str, torch.Tensor]:
         """Producer: the named tensors that carry ``layer`` for positions [start, n_tokens)."""
 
+    @abstractmethod
+    def schema(self, layer: int, job: DecodeJob) -> Schema:
+        """The tensors ``encode_layer`` sends for ``layer`` of ``job``: names, dtypes, shapes. The
+        consumer's frame decoder refuses any other tensor before allocating it, admission charges
+        their bytes, and the session checks every layer against it before decoding."""
+
     def start(self, job: DecodeJob) -> DecodeSession:
         return self.Session(self, job)
+
+    def pin(self) -> str:
+        """A content hash of the per-pair data both sides of this method read (calibration
+        artifacts, a profile), or "" when it reads none. The stream header carries the producer's;
+        the consumer refuses a stream whose pin differs from its own (FAILED_PRECONDITION)."""
+        return ""
 
     def error_bound(self) -> float:
         """Declared bound on the relative error of reconstructed K/V against the producer's own

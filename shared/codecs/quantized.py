@@ -11,6 +11,7 @@ from pydantic import Field
 
 from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
+from shared.domain import TensorSpec
 from shared.errors import InvalidPayload
 from shared.model.hf_adapter import from_rows, to_rows
 
@@ -46,6 +47,17 @@ class QuantKV(TransferMethod, kind="quant", compressive=True):
             out[f"{name}.q"] = pack4(q) if bits == 4 else q.reshape(-1)
             out[f"{name}.scale"], out[f"{name}.zero"] = s, z
             out[f"{name}.res"] = x[nq:].to(torch.float16)
+        return out
+
+    def schema(self, layer, job):
+        n, width, g = job.n_transfer, self.ctx.model.kv_dim, self.cfg.group_size
+        nq = self._split(n)
+        codes = TensorSpec(torch.uint8, (nq * width // 2 if self.cfg.bits == 4 else nq * width,))
+        res = TensorSpec(torch.float16, (n - nq, width))
+        out = {}
+        for name, group_shape in (("k", (nq // g, 1, width)), ("v", (nq, width // g, 1))):
+            sz = TensorSpec(torch.float16, group_shape)
+            out.update({f"{name}.q": codes, f"{name}.scale": sz, f"{name}.zero": sz, f"{name}.res": res})
         return out
 
     def decode_tensors(self, layer, tensors, n):

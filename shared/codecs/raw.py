@@ -6,18 +6,14 @@ from typing import Literal
 
 import torch
 
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod
-from shared.errors import InvalidPayload
+from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod, kv_spec
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class RawSession(DecodeSession):
     def decode_layer(self, layer, tensors):
-        try:
-            return tensors["k"], tensors["v"]
-        except KeyError as e:
-            raise InvalidPayload(f"raw layer {layer} lacks tensor {e.args[0]!r}; expected 'k' and 'v'") from None
+        return tensors["k"], tensors["v"]  # names, dtypes and shapes checked against the schema
 
 
 class RawKV(TransferMethod, kind="raw"):
@@ -37,6 +33,10 @@ class RawKV(TransferMethod, kind="raw"):
     def encode_layer(self, state, layer, start):
         dt = _DTYPES[self.cfg.dtype]
         return {"k": state.keys[layer][:, :, start:].to(dt), "v": state.values[layer][:, :, start:].to(dt)}
+
+    def schema(self, layer, job):
+        spec = kv_spec(self.ctx.model, job.n_transfer, _DTYPES[self.cfg.dtype])
+        return {"k": spec, "v": spec}
 
     def error_bound(self) -> float:
         return {"float32": 0.0, "float16": 1e-3, "bfloat16": 8e-3}[self.cfg.dtype]

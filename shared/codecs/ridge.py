@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from shared.codecs.base import MethodConfig, TransferMethod
+from shared.codecs.base import MethodConfig, TransferMethod, kv_spec
 from shared.codecs.raw import RawSession
 from shared.errors import ConfigError
 
@@ -37,6 +37,10 @@ class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profil
     def encode_layer(self, state, layer, start):
         k, v = apply(self.maps, state.keys, state.values, layer, start, self.ctx.model.head_dim)
         return {"k": k.half(), "v": v.half()}
+
+    def schema(self, layer, job):
+        spec = kv_spec(self.ctx.model, job.n_transfer)
+        return {"k": spec, "v": spec}
 
 
 def apply(tensors: dict[str, torch.Tensor], keys, values, layer: int, start: int, head_dim: int):

@@ -16,6 +16,7 @@ projector can be swapped.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,9 +25,10 @@ from pydantic import field_validator
 
 from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
-from shared.codecs.base import MethodConfig, TransferMethod, parse_int_list
+from shared.codecs.base import SKIP, MethodConfig, TransferMethod, parse_int_list
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.codecs.selective_recompute import BlockSession, RecomputesBlocks
+from shared.domain import Schema, TensorSpec
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import from_rows, to_rows
 
@@ -38,6 +40,11 @@ class PairArtifacts:
     meta: ArtifactMeta
     tensors: dict[str, torch.Tensor]
     side: str
+
+    @property
+    def pin(self) -> str:
+        """The artifact set's content hash: its manifest, which records the sha256 of both sides' files."""
+        return hashlib.sha256(self.meta.model_dump_json().encode()).hexdigest()[:16]
 
     def t(self, name: str, device, dtype=torch.float32) -> torch.Tensor:
         return self.tensors[name].to(device, dtype)
@@ -99,6 +106,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.patch))
 
+    def pin(self) -> str:
+        return self.art.pin
+
     # ------------------------------------------------------------------ producer
     def _code(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         if self.meta.code_bits == 16:
@@ -124,6 +134,22 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
             z = (x - a.t(f"mu_p.{kv}.{layer}", dev)) @ a.t(f"enc.{kv}.{layer}", dev)
             out.update(self._code(z, f"z{kv}"))
         return out
+
+    def _code_schema(self, prefix: str, rows: int, width: int) -> Schema:
+        if self.meta.code_bits == 16:
+            return {prefix: TensorSpec(torch.float16, (rows, width))}
+        return {prefix: TensorSpec(torch.int8, (rows, width)), f"{prefix}_scale": TensorSpec(torch.float16, (rows, 1))}
+
+    def schema(self, layer, job):
+        block, meta = self.block_at(layer), self.meta
+        if block is not None:
+            return self._code_schema("r", job.n_tokens, self.ctx.model.hidden_size) if layer == block[0] else SKIP
+        n = job.n_transfer
+        if layer in self.patch:
+            return self._code_schema("u", n, meta.r_h)
+        if meta.reuse_code == "joint":
+            return self._code_schema("zkv", n, meta.r_kv)
+        return {**self._code_schema("zk", n, meta.r_k), **self._code_schema("zv", n, meta.r_v)}
 
     # ------------------------------------------------------------------ consumer
     def _uncode(self, tensors, prefix: str, width: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ from typing import Any, Literal
 import torch
 from pydantic import field_validator
 
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod, parse_blocks
+from shared.codecs.base import SKIP, DecodeSession, MethodConfig, TransferMethod, kv_spec, parse_blocks
+from shared.domain import TensorSpec
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 
 
@@ -90,14 +91,9 @@ class DroidSpeakSession(BlockSession):
     method: DroidSpeak
 
     def decode_outside(self, layer, tensors):
-        try:
-            return tensors["k"], tensors["v"]
-        except KeyError as e:
-            raise InvalidPayload(f"droidspeak layer {layer} lacks tensor {e.args[0]!r}") from None
+        return tensors["k"], tensors["v"]  # names, dtypes and shapes checked against the schema
 
     def entry_state(self, tensors, block):
-        if "h" not in tensors:
-            raise InvalidPayload(f"droidspeak block {block[0]}-{block[1]} entry lacks its hidden state 'h'")
         return tensors["h"]
 
 
@@ -124,8 +120,13 @@ class DroidSpeak(RecomputesBlocks, TransferMethod, kind="droidspeak", cross_mode
                 raise ConfigError("droidspeak needs the pair's profiled blocks (scd calibrate --method droidspeak) "
                                   "or an explicit blocks setting")
             self.blocks = [(int(a), int(b)) for a, b in prof["blocks"]]
+            self._pin = str(prof.get("sha256", ""))
         else:
             self.blocks = check_blocks(cfg.blocks, n)
+            self._pin = ""
+
+    def pin(self) -> str:
+        return self._pin
 
     def encode_layer(self, state, layer, start):
         block = self.block_at(layer)
@@ -134,3 +135,11 @@ class DroidSpeak(RecomputesBlocks, TransferMethod, kind="droidspeak", cross_mode
         if layer == block[0]:  # the whole prompt: the consumer's recompute attends to every position
             return {"h": state.residual[layer][0].half()}
         return {"skip": torch.zeros(0, dtype=torch.uint8)}
+
+    def schema(self, layer, job):
+        m = self.ctx.model
+        block = self.block_at(layer)
+        if block is None:
+            spec = kv_spec(m, job.n_transfer)
+            return {"k": spec, "v": spec}
+        return {"h": TensorSpec(torch.float16, (job.n_tokens, m.hidden_size))} if layer == block[0] else SKIP

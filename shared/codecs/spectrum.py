@@ -16,6 +16,7 @@ from pydantic import Field
 
 from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
+from shared.domain import TensorSpec
 from shared.errors import ConfigError, InvalidPayload
 from shared.model.hf_adapter import from_rows, to_rows
 
@@ -85,10 +86,15 @@ class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"p
                 raise ConfigError("spectrum int4=auto needs the pair's probe result (scd calibrate --method spectrum) "
                                   "or an explicit int4=on|off setting")
             self.int4 = bool(prof["int4"])
+            self._pin = str(prof.get("sha256", ""))
         else:
             self.int4 = cfg.int4 == "on"
+            self._pin = ""
         if ctx.model.kv_dim % cfg.group_size:
             raise ConfigError(f"K/V width {ctx.model.kv_dim} is not a multiple of group_size {cfg.group_size}")
+
+    def pin(self) -> str:
+        return self._pin
 
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(range(self.ctx.model.n_layers))  # queries for the importance scores
@@ -119,6 +125,17 @@ class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"p
                 q, s, z = quantize_groups(x[tiers == tier], bits, c.group_size, 1)
                 out[f"{name}.q{bits}"] = pack4(q) if bits == 4 else q
                 out[f"{name}.s{bits}"], out[f"{name}.z{bits}"] = s, z
+        return out
+
+    def schema(self, layer, job):
+        n, width, g = job.n_transfer, self.ctx.model.kv_dim, self.cfg.group_size
+        groups = TensorSpec(torch.float16, (n, width // g, 1), exact=False)  # token counts per tier vary
+        out = {"tier": TensorSpec(torch.uint8, (n,))}
+        for name in ("k", "v"):
+            out.update({f"{name}.f16": TensorSpec(torch.float16, (n, width), exact=False),
+                        f"{name}.q8": TensorSpec(torch.uint8, (n, width), exact=False),
+                        f"{name}.q4": TensorSpec(torch.uint8, (n * width // 2,), exact=False)})
+            out.update({f"{name}.{p}{bits}": groups for p in ("s", "z") for bits in (8, 4)})
         return out
 
     def decode_tensors(self, layer, tensors, n):

@@ -48,6 +48,15 @@ class PromptFormat:
         else:  # plain text: the tokenizer's own leading special tokens (BOS) are the fixed prefix
             self.prefix_ids = list(self.bos_ids)
 
+    @property
+    def doc_start_id(self) -> int | None:
+        """The token a document starts after: the tokenizer's BOS, else its end-of-text (EOS) token.
+        A one-token completion prompt is preceded by it, as the start of a new document."""
+        for t in (self.tok.bos_token_id, self.tok.eos_token_id):
+            if isinstance(t, int):
+                return t
+        return None
+
     def _ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 

@@ -25,12 +25,20 @@ CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
 ]
 
 
+MAX_MESSAGE_CHARS = 1024
+
+
+def _bounded(msg: str) -> str:
+    return msg if len(msg) <= MAX_MESSAGE_CHARS else msg[: MAX_MESSAGE_CHARS - 16] + "... (truncated)"
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message for ``exc``; messages are bounded (a status must fit its trailer)."""
     if isinstance(exc, E.PeerError):
-        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), str(exc)
+        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.UNKNOWN), _bounded(str(exc))
     for cls, code in CODES:
         if isinstance(exc, cls):
-            return code, str(exc)
+            return code, _bounded(str(exc))
     return grpc.StatusCode.INTERNAL, "internal error; see the service log"
 
 

@@ -51,7 +51,7 @@ def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) ->
         return error_response(grpc.StatusCode.UNAUTHENTICATED, msg)
 
 
-def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True) -> None:
+def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True, detail=lambda: None) -> None:
     @app.get("/metrics")
     async def _metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -59,8 +59,11 @@ def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True) -> No
     @app.get("/health")
     async def _health():
         ok = ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "service": metrics.service},
-                            status_code=200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "service": metrics.service}
+        extra = detail()
+        if extra is not None:
+            body.update(extra)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
 
 def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:
@@ -89,6 +92,8 @@ class HTTPServer:
     async def start(self) -> int:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # a restarted service binds at once, though connections of its previous run linger in TIME_WAIT
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as e:

@@ -84,20 +84,30 @@ class Timings(_message.Message):
     def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., reconstruct_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., last_frame_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., method: _Optional[str] = ..., fallback_recompute: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("text", "token_id", "index", "finish_reason", "timings", "request_id")
+    __slots__ = ("text", "token_id", "index", "finish_reason", "timings", "request_id", "error")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_id: int
     index: int
     finish_reason: str
     timings: Timings
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    error: ErrorStatus
+    def __init__(self, text: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[ErrorStatus, _Mapping]] = ...) -> None: ...
+
+class ErrorStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("request_id", "method", "method_version", "protocol_version", "pair_fingerprint", "n_layers", "n_tokens", "prompt_ids", "params", "sampling", "native_prefix", "prefix_len", "consumer", "deadline_unix")

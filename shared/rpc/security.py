@@ -93,8 +93,13 @@ def _read(path: str, what: str) -> bytes:
 
 
 def token_ok(header: str | None, token: str) -> bool:
-    """``header`` is the raw authorization value; constant-time comparison."""
-    return header is not None and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+    """``header`` is the raw authorization value, ``Bearer <token>``; the scheme is matched without
+    regard to case (RFC 7235), the token in constant time."""
+    if header is None:
+        return False
+    scheme, _, credentials = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode("utf-8", "replace"),
+                                                              token.encode())
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

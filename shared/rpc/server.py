@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shared.errors import DataLoss, clip
 from shared.rpc.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -20,13 +21,89 @@ OPTIONS = [
 ]
 
 
+class Undecodable:
+    """What a message that does not parse becomes (instead of an exception inside gRPC's core,
+    which would reach the client as INTERNAL or UNKNOWN)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - a DecodeError (or invalid UTF-8 in a string field)
+            return Undecodable(e)
+
+    return parse
+
+
+class DecodeErrorsInterceptor(grpc.aio.ServerInterceptor):
+    """A request that does not parse is INVALID_ARGUMENT; a frame of a request stream that does not
+    parse is DATA_LOSS (raised inside the stream, so the servicer frees what the request held)."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        kw = dict(request_deserializer=_tolerant(handler.request_deserializer),
+                  response_serializer=handler.response_serializer)
+
+        def refusal(request) -> str:
+            return f"the request does not parse as the message {method} takes ({clip(str(request.error), 200)})"
+
+        if handler.request_streaming:
+            async def checked(request_iterator):
+                async for item in request_iterator:
+                    if isinstance(item, Undecodable):
+                        raise DataLoss(f"a message of the stream does not parse ({clip(str(item.error), 200)})")
+                    yield item
+
+            if handler.response_streaming:
+                inner_ss = handler.stream_stream
+
+                async def stream_stream(request_iterator, context):
+                    async for item in inner_ss(checked(request_iterator), context):
+                        yield item
+
+                return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+            inner_su = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                return await inner_su(checked(request_iterator), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+        if handler.response_streaming:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+                async for item in inner_us(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+            return await inner_uu(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+
 class GRPCServer:
     """``start()`` binds and serves (returns the port); ``stop(grace)`` drains and stops."""
 
     def __init__(self, add_servicers, host: str, port: int, service_names: list[str], interceptors=(),
                  credentials: grpc.ServerCredentials | None = None):
         self._add, self.host, self.port, self._names = add_servicers, host, port, service_names
-        self._interceptors, self._credentials = list(interceptors), credentials
+        self._interceptors, self._credentials = [*interceptors, DecodeErrorsInterceptor()], credentials
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.servicer: object = None  # the service's servicer (tests inspect its metrics and admission)

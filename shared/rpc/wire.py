@@ -5,9 +5,11 @@ layer's tensors (each tensor's bytes split into chunks of at most ``CHUNK_BYTES`
 compression, lz4-frame compressed, crc32c of the uncompressed bytes), the last chunk of a layer
 flagged ``layer_done``, then one ``Trailer`` with totals and a checksum over the chunk checksums.
 
-``FrameDecoder`` validates everything before it allocates: sizes are bounded, offsets must be
-contiguous, checksums must match; a violation raises ``InvalidPayload`` or ``DataLoss`` and no
-partial tensor ever escapes.
+``FrameDecoder`` validates everything before it allocates: a chunk must belong to a tensor the
+method declares for that layer (``plan``), sizes are bounded, offsets must be contiguous,
+checksums must match; only verified bytes are kept (nothing is allocated for what a chunk merely
+declares); a violation raises ``InvalidPayload`` or ``DataLoss`` and no partial tensor ever
+escapes.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import google_crc32c
 import lz4.frame
 import torch
 
-from shared.domain import HeaderReceived, LayerReceived, StreamEvent, StreamHeader, TrailerReceived
+from shared.domain import HeaderReceived, LayerReceived, Schema, StreamEvent, StreamHeader, TrailerReceived
 from shared.errors import DataLoss, InvalidPayload
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.convert import header_from_pb, header_to_pb
@@ -121,19 +123,34 @@ class Limits:
 
 
 class _Partial:
-    __slots__ = ("dtype", "shape", "nbytes", "buf", "filled")
+    """A tensor being received: its verified chunks so far (only bytes that arrived and passed
+    their checksum are held; the whole tensor is assembled once, when its layer closes)."""
+
+    __slots__ = ("dtype", "shape", "nbytes", "chunks", "filled")
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int):
         self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
-        self.buf = bytearray(nbytes)
+        self.chunks: list[bytes] = []
         self.filled = 0
+
+    def tensor(self) -> torch.Tensor:
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=self.dtype)
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        return torch.frombuffer(bytearray(data), dtype=self.dtype).reshape(self.shape)
 
 
 class FrameDecoder:
     """Consumer-side state machine over one request's frames.
 
     ``feed(frame)`` returns ``HeaderReceived`` for the header, ``LayerReceived`` when a layer is
-    complete, ``TrailerReceived`` at the end, or ``None`` for a chunk inside a layer."""
+    complete, ``TrailerReceived`` at the end, or ``None`` for a chunk inside a layer.
+
+    Once the receiver has read the header it calls ``plan``: with the method's schema, a chunk of
+    a tensor the layer does not declare, or declared with another dtype or shape, is refused
+    before anything is kept; with ``discard`` (the receiver recomputes the prefill itself) chunks
+    are verified and dropped."""
 
     def __init__(self, limits: Limits = Limits(), n_layers: int | None = None):
         self.limits, self.n_layers = limits, n_layers
@@ -142,6 +159,24 @@ class FrameDecoder:
         self.done = False
         self._tensors: dict[str, _Partial] = {}
         self._totals = StreamTotals()
+        self._schema: Callable[[int], Schema] | None = None
+        self._discard = False
+        self._layer_schema: tuple[int, Schema] | None = None
+
+    def plan(self, schema: Callable[[int], Schema] | None, discard: bool = False) -> None:
+        """What the stream must carry: ``schema(layer)`` gives each layer's declared tensors."""
+        self._schema, self._discard = schema, discard
+
+    def _declared(self, layer: int) -> Schema | None:
+        if self._schema is None:
+            return None
+        if self._layer_schema is None or self._layer_schema[0] != layer:
+            self._layer_schema = (layer, self._schema(layer))
+        return self._layer_schema[1]
+
+    def close(self) -> None:
+        """Drop every partial tensor (on any exit path)."""
+        self._tensors = {}
 
     def feed(self, frame: pb.KVFrame) -> StreamEvent | None:
         kind = frame.WhichOneof("body")
@@ -177,13 +212,23 @@ class FrameDecoder:
                                  "layers must arrive in order, each complete")
         if c.layer >= n_layers:
             raise InvalidPayload(f"chunk for layer {c.layer}; the model has {n_layers} layers")
-        if c.dtype not in DTYPES:
-            raise InvalidPayload(f"tensor {c.name!r} has dtype {c.dtype!r}; expected one of {sorted(DTYPES)}")
         if not c.name or len(c.name) > 64:
-            raise InvalidPayload("tensor name must be 1 to 64 characters")
+            raise InvalidPayload(f"tensor name must be 1 to 64 characters; got {len(c.name)}")
+        if c.dtype not in DTYPES:
+            raise InvalidPayload(f"tensor {c.name!r} has dtype {_clip(c.dtype, 16)}; expected one of {sorted(DTYPES)}")
         if not 0 < len(c.shape) <= lim.max_ndim or any(d < 0 for d in c.shape):
-            raise InvalidPayload(f"tensor {c.name!r} has invalid shape {list(c.shape)}")
+            raise InvalidPayload(f"tensor {c.name!r} has invalid shape {list(c.shape)[:8]} ({len(c.shape)} dimensions; "
+                                 f"1 to {lim.max_ndim}, none negative)")
         dtype = DTYPES[c.dtype]
+        declared = self._declared(c.layer)
+        if declared is not None and not self._discard:
+            spec = declared.get(c.name)
+            if spec is None:
+                raise InvalidPayload(f"layer {c.layer} declares no tensor {_clip(c.name)}; it carries "
+                                     f"{sorted(declared)[:16]}")
+            why = spec.mismatch(dtype, tuple(c.shape))
+            if why:
+                raise InvalidPayload(f"layer {c.layer} tensor {c.name!r}: {why}")
         nbytes = math.prod(c.shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes > lim.max_tensor_bytes:
             raise InvalidPayload(f"tensor {c.name!r} declares {nbytes} bytes; the limit is {lim.max_tensor_bytes}")
@@ -208,16 +253,16 @@ class FrameDecoder:
             raise DataLoss(f"tensor {c.name!r} chunk decompressed to {len(raw)} bytes; header says {c.raw_size}")
         if chunk_crc(c, raw) != c.crc32c:
             raise DataLoss(f"tensor {c.name!r} chunk at offset {c.offset} failed its crc32c check")
-        part.buf[c.offset : c.offset + c.raw_size] = raw
+        if not self._discard:
+            part.chunks.append(raw)
         part.filled += c.raw_size
         if not c.layer_done:
             return None
         missing = [n for n, p in self._tensors.items() if p.filled != p.nbytes]
         if missing:
             raise InvalidPayload(f"layer {c.layer} closed with incomplete tensors {missing}")
-        tensors = {n: torch.frombuffer(p.buf, dtype=p.dtype).reshape(p.shape) if p.nbytes else
-                   torch.empty(p.shape, dtype=p.dtype) for n, p in self._tensors.items()}
-        self._tensors = {}
+        parts, self._tensors = self._tensors, {}
+        tensors = {} if self._discard else {n: p.tensor() for n, p in parts.items()}
         self.layer += 1
         return LayerReceived(c.layer, tensors)
 
@@ -225,10 +270,17 @@ class FrameDecoder:
         if self._tensors:
             raise InvalidPayload(f"trailer arrived inside layer {self.layer}; its tensors are incomplete")
         expect = self._totals.trailer()
-        if t.n_chunks != expect.trailer.n_chunks or t.payload_bytes != expect.trailer.payload_bytes:
-            raise DataLoss(f"trailer counts {t.n_chunks} chunks / {t.payload_bytes} bytes; received "
-                           f"{expect.trailer.n_chunks} / {expect.trailer.payload_bytes}: frames were lost")
+        got = (t.n_chunks, t.payload_bytes, t.raw_bytes)
+        have = (expect.trailer.n_chunks, expect.trailer.payload_bytes, expect.trailer.raw_bytes)
+        if got != have:
+            raise DataLoss(f"trailer counts {got[0]} chunks / {got[1]} bytes ({got[2]} uncompressed); received "
+                           f"{have[0]} / {have[1]} ({have[2]}): frames were lost")
         if t.crc32c != expect.trailer.crc32c:
             raise DataLoss("trailer checksum does not match the chunks received")
         self.done = True
         return t
+
+
+def _clip(text: str, n: int = 64) -> str:
+    """A peer's string quoted in an error message, bounded."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"

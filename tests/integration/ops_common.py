@@ -33,7 +33,7 @@ def consumer(name, model, tokenizer=None, **kw):
 
 
 def ops_services(base, tok):
-    """The producer and six consumers the operations tests share (one per policy under test)."""
+    """The producer and the consumers the operations tests share (one per policy under test)."""
     consumers = [
         consumer("chat", base, tok),
         consumer("same", base, max_new_tokens=4000),
@@ -42,6 +42,8 @@ def ops_services(base, tok):
                   fallback="recompute"),
         consumer("small", base, max_concurrent=32, max_queue=4, cache_budget_bytes=LOAD_BUDGET),
         consumer("lease", base, frame_timeout_s=1.5, http={"port": 0}),
+        consumer("trickle", base, min_progress_bytes_per_s=200_000, progress_grace_s=0.5),
+        consumer("short", base, max_prompt_tokens=8),
     ]
 
     def make_producer(addresses):

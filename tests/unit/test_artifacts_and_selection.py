@@ -79,3 +79,60 @@ def test_profile_with_tensors_round_trips_and_a_tampered_file_is_refused(tmp_pat
     path.write_bytes(bytes(raw))
     with pytest.raises(DataLoss, match="sha256"):
         store.load_profile(tmp_path, "p", "ridge")
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda b: {**b, "format_version": 2}, "format 2"),
+    (lambda b: {k: v for k, v in b.items() if k != "blocks"}, "not a valid droidspeak profile"),
+    (lambda b: {**b, "blocks": "3-6"}, "not a valid droidspeak profile"),
+    (lambda b: {**b, "unexpected": 1}, "not a valid droidspeak profile"),
+])
+def test_profiles_are_typed_and_their_format_checked(tmp_path, edit, match):
+    import json
+
+    from shared.artifacts import store
+    from shared.errors import PreconditionFailed
+
+    path = store.save_profile(tmp_path, "p", "droidspeak", {"blocks": [[1, 3]]}, "pf", "cf")
+    body = store.load_profile(tmp_path, "p", "droidspeak")
+    assert body["blocks"] == [(1, 3)] and len(body["sha256"]) == 16
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    with pytest.raises(PreconditionFailed, match=match):
+        store.load_profile(tmp_path, "p", "droidspeak")
+
+
+def test_a_stream_encoded_with_other_calibration_data_is_refused(tmp_path):
+    """The header pins the profile the producer used; a consumer that loaded another one refuses
+    (or, with the recompute fallback, prefills itself)."""
+    import json
+
+    from consumer_service.engine import ConsumerEngine
+    from consumer_service.settings import ConsumerSettings
+    from shared.artifacts import store
+    from shared.domain import SamplingRequest, StreamHeader
+    from shared.errors import PreconditionFailed
+    from shared.model.fingerprint import weights_fingerprint
+    from shared.model.tiny import tiny_model
+    from shared.rpc.wire import PROTOCOL_VERSION
+
+    model = tiny_model("llama", n_layers=4)
+    fp = weights_fingerprint(model)
+    path = store.save_profile(tmp_path, "p", "droidspeak", {"blocks": [[1, 3]]}, fp, fp)
+    pin = store.load_profile(tmp_path, "p", "droidspeak")["sha256"]
+
+    def engine(fallback):
+        s = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name="p", methods=["droidspeak"],
+                                  artifact_store=str(tmp_path), fallback=fallback)
+        return ConsumerEngine(s, model)
+
+    def header(their_pin):
+        return StreamHeader(request_id="r", method="droidspeak", method_version=1, protocol_version=PROTOCOL_VERSION,
+                            pair_fingerprint=f"{fp}:droidspeak.v1:x:{their_pin}", n_layers=4, n_tokens=9,
+                            prompt_ids=tuple(range(1, 11)), params={}, sampling=SamplingRequest(max_new_tokens=2),
+                            native_prefix=False, prefix_len=0, consumer="p", deadline_unix=0.0)
+
+    assert engine("fail").open(header(pin)).fallback == ""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "blocks": [[2, 4]]}))  # recalibrated on one side
+    with pytest.raises(PreconditionFailed, match="calibration data"):
+        engine("fail").open(header(pin))
+    assert engine("recompute").open(header(pin)).fallback == "artifacts"

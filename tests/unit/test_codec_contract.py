@@ -10,6 +10,7 @@ from shared.artifacts import store
 from shared.codecs import CODECS, CodecConfig, CodecContext, DecodeJob, make_method
 from shared.codecs.scd import PairArtifacts
 from shared.domain import LayerReceived
+from shared.errors import DataLoss, InvalidPayload
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import FrameDecoder, StreamTotals, layer_frames
 
@@ -46,6 +47,9 @@ def _transfer(kind, pctx, cctx, start=0, params=None):
     if enc.transfers_layers:
         for layer in range(pctx.model.n_layers):
             tensors = enc.encode_layer(state, layer, start)
+            schema = session.schema(layer)  # what the method declares is exactly what it sends
+            assert set(tensors) == set(schema), (layer, sorted(tensors), sorted(schema))
+            assert not [n for n, t in tensors.items() if schema[n].mismatch(t.dtype, tuple(t.shape))]
             encoded.append(tensors)
             for f in layer_frames(layer, tensors):
                 out = fd.feed(totals.add(f))
@@ -70,6 +74,47 @@ def test_round_trip_shapes_dtypes_and_determinism(kind, contexts):
     _, _, enc2 = _transfer(kind, pctx, cctx)
     for a, b in zip(enc1, enc2):
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _lies(tensors):
+    """A consistent liar's versions of one layer (checksums would be right): each must be refused."""
+    name = max(tensors, key=lambda n: tensors[n].numel())
+    t = tensors[name]
+    yield "missing", InvalidPayload, {n: v for n, v in tensors.items() if n != name}
+    yield "extra", InvalidPayload, {**tensors, "extra": torch.zeros(2, dtype=torch.uint8)}
+    other = torch.int32 if t.dtype != torch.int32 else torch.float16
+    yield "dtype", InvalidPayload, {**tensors, name: t.to(other)}
+    one = torch.ones(1, dtype=t.dtype)
+    if t.shape != one.shape:
+        yield "broadcast", InvalidPayload, {**tensors, name: one}
+    if t.numel() > 1:
+        yield "rows", InvalidPayload, {**tensors, name: t.reshape(-1)[1:].clone() if t.dim() == 1 else t[:-1].clone()}
+    floats = [n for n, v in tensors.items() if v.is_floating_point() and v.numel()]
+    if floats:
+        bad = tensors[floats[0]].clone()
+        bad[(0,) * bad.dim()] = float("nan")
+        yield "nan", DataLoss, {**tensors, floats[0]: bad}
+        bad = tensors[floats[0]].clone()
+        bad[(-1,) * bad.dim()] = float("inf")
+        yield "inf", DataLoss, {**tensors, floats[0]: bad}
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, c in CODECS.items() if c.transfers_layers))
+def test_a_consistent_liar_is_refused_at_every_layer(kind, contexts):
+    """Names, dtypes and shapes are checked against the method's declared schema, floats must be
+    finite: a wrong row count, a [1]-shaped scale that would broadcast, another dtype, NaN or Inf."""
+    pctx, cctx = contexts
+    enc, dec = make_method(kind, pctx), make_method(kind, cctx)
+    state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers(), residual_layers=enc.residual_layers())
+    session = dec.start(DecodeJob(IDS, len(IDS) - 1, 0))
+    for layer in range(pctx.model.n_layers):
+        tensors = enc.encode_layer(state, layer, 0)
+        for case, err, lie in _lies(tensors):  # a refused layer changes nothing: the session goes on
+            with pytest.raises(err):
+                session.add_layer(layer, lie)
+            assert case
+        session.add_layer(layer, tensors)
+    session.finish()
 
 
 @pytest.mark.parametrize("kind", sorted(k for k, c in CODECS.items() if not c.cross_model))

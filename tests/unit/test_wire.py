@@ -149,3 +149,67 @@ def test_mutated_valid_stream_never_yields_wrong_tensors(data):
     for a, b in zip(out, layers):
         for name in b:
             assert torch.equal(a[name], b[name])
+
+
+def _huge_declaring_chunk(name="k", layer=0, nbytes=256 << 20):
+    """A valid first chunk (right checksum) of a tensor that declares ``nbytes`` but sends 64 bytes."""
+    import lz4.frame
+
+    from shared.rpc.wire import chunk_crc
+
+    raw = bytes(64)
+    c = pb.TensorChunk(name=name, layer=layer, dtype="U8", shape=[nbytes], offset=0, raw_size=len(raw),
+                       data=lz4.frame.compress(raw), last=False)
+    c.crc32c = chunk_crc(c, raw)
+    return pb.KVFrame(chunk=c)
+
+
+def test_declared_sizes_are_not_allocated_before_their_bytes_arrive():
+    """Memory amplification: 64 tensors each declaring 256 MiB with one 64-byte chunk must hold
+    only what arrived, not 16 GiB (measured by tracemalloc, which sees every Python allocation)."""
+    import tracemalloc
+
+    dec = FrameDecoder()
+    dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=2)))
+    tracemalloc.start()
+    try:
+        for i in range(64):
+            assert dec.feed(_huge_declaring_chunk(f"t{i}")) is None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak:,} bytes held for 64 chunks of 64 bytes"
+    dec.close()
+    assert not dec._tensors
+
+
+def test_planned_schema_refuses_undeclared_tensors_before_allocation():
+    from shared.domain import TensorSpec
+
+    schema = {"k": TensorSpec(torch.float16, (1, 2, 5, 4)), "v": TensorSpec(torch.float16, (1, 2, 5, 4))}
+    ok = {"k": torch.zeros(1, 2, 5, 4, dtype=torch.float16), "v": torch.ones(1, 2, 5, 4, dtype=torch.float16)}
+    dec = FrameDecoder(n_layers=1)
+    dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=1)))
+    dec.plan(lambda layer: schema)
+    for case, frame in (("undeclared name", _huge_declaring_chunk("x")),
+                        ("declared name, another size", _huge_declaring_chunk("k"))):
+        with pytest.raises(InvalidPayload, match="declares no tensor" if case.startswith("undeclared") else "dtype"):
+            dec.feed(frame)
+    frames = _stream([ok])[1:]
+    for wrong in ({"k": ok["k"].float(), "v": ok["v"]}, {"k": ok["k"][:, :, :4], "v": ok["v"]}):
+        dec = FrameDecoder(n_layers=1)
+        dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=1)))
+        dec.plan(lambda layer: schema)
+        with pytest.raises(InvalidPayload):
+            for f in _stream([wrong])[1:]:
+                dec.feed(f)
+    dec = FrameDecoder(n_layers=1)
+    dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=1)))
+    dec.plan(lambda layer: schema)
+    got = [dec.feed(f) for f in frames]
+    assert isinstance(got[-2], LayerReceived) and torch.equal(got[-2].tensors["v"], ok["v"])
+    dec = FrameDecoder(n_layers=1)  # discard: verified and dropped (the consumer recomputes itself)
+    dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=1)))
+    dec.plan(None, discard=True)
+    got = [dec.feed(f) for f in frames]
+    assert isinstance(got[-2], LayerReceived) and got[-2].tensors == {} and isinstance(got[-1], TrailerReceived)

@@ -72,10 +72,16 @@ class ScoredSCD(SCD):
         super().__init__(cfg, ctx)
         self.memo, self.reuse, self.keep_blocks, self.scope = memo, reuse, set(keep_blocks), 0
 
+    def _memoized(self, layer: int) -> bool:
+        return self.reuse is not None and self.block_at(layer) is None and layer not in self.patch
+
     def encode_layer(self, state, layer, start):
-        if self.reuse is not None and self.block_at(layer) is None and layer not in self.patch:
+        if self._memoized(layer):
             return {}  # the consumer side takes this REUSE layer from the memo
         return super().encode_layer(state, layer, start)
+
+    def schema(self, layer, job):
+        return {} if self._memoized(layer) else super().schema(layer, job)
 
     def _reuse(self, layer, tensors):
         if self.reuse is None:

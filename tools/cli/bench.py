@@ -96,3 +96,25 @@ def bench(
     if png_out:
         typer.echo(f"plot: {report.png(res, png_out)}", err=True)
     print(report.final_line(res, json_out))
+
+
+@app.command()
+def soak(
+    minutes: float = typer.Option(10.0, min=0.5, help="Minutes of traffic."),
+    pair: str = typer.Option("strong", help="A registered pair (both services run on this machine)."),
+    clients: int = typer.Option(3, min=1, help="Client threads sending at once."),
+    max_new_tokens: int = typer.Option(16, min=1),
+    seed: int = typer.Option(0),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """Benchmark: minutes of mixed traffic (every method, HTTP and gRPC, streamed or not, cancellations,
+    corrupt frames, a consumer restart) against both services; requests by outcome, TTFT, memory.
+    Exits 1 if a request was lost, a 5xx came outside the restart, or memory did not come back."""
+    setup_logging(False)
+    from tools.soak import Soak
+
+    res = Soak(pair, minutes, clients, max_new_tokens, seed).run()
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    if not res["passed"]:
+        sys.exit(1)

@@ -1,0 +1,374 @@
+"""Hardening against an outside tester's classes of defects (tiny models, the real services): empty
+answers, memory a stream may make the consumer allocate, out-of-range and non-text values over
+HTTP, chunked bodies, consistent liars, undecodable envelopes, unbounded echoes, trickling peers,
+the real status behind an aborted stream, and the small protocol checks. Each test fails on the code
+before these fixes. Every wait is a bounded poll; nothing asserts a timing."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+import grpc
+import httpx2 as httpx
+import lz4.frame
+import pytest
+import torch
+from ops_common import MD, PROMPT, TOKEN, cons, gen, http, idle, make_frames, ops_services
+from ops_support import tiny_tokenizer, wait_for
+
+from shared.model.tiny import tiny_model
+from shared.rpc import scd_pb2 as pb
+from shared.rpc import scd_pb2_grpc as pbg
+from shared.rpc.wire import StreamTotals, chunk_crc, layer_frames
+from tools import client
+
+H = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama", n_layers=4)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def svc(base, tok):
+    with ops_services(base, tok) as s:
+        yield s
+
+
+def transfer(svc, consumer, frames, timeout=30):
+    with grpc.insecure_channel(svc.consumer_addresses[consumer]) as ch:
+        return list(pbg.ConsumerStub(ch).Transfer(iter(frames), timeout=timeout, metadata=MD))
+
+
+def refused(svc, consumer, frames, timeout=30) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as ei:
+        transfer(svc, consumer, frames, timeout)
+    return ei.value
+
+
+# ---------------------------------------------------------------------------- 1. empty answers
+def test_an_answer_that_stops_at_once_is_a_normal_empty_answer(svc, monkeypatch):
+    for name in ("same", "chat"):  # every token is a stop token: the greedy answer is empty
+        monkeypatch.setattr(cons(svc, name).engine, "stop_ids", frozenset(range(256)))
+    events = list(client.stream(svc.producer_address, client.request(PROMPT, consumer="same", method="raw",
+                                                                      max_new_tokens=32), token=TOKEN))
+    assert len(events) == 1 and events[0].index == 0 and events[0].text == ""
+    assert events[0].finish_reason == "stop" and events[0].timings.completion_tokens == 0
+    r = httpx.post(http(svc) + "/v1/chat/completions", headers=H, timeout=60,
+                   json={"model": "chat", "messages": [{"role": "user", "content": "tell me about the sea."}],
+                         "max_tokens": 32})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["message"]["content"] == "" and c["finish_reason"] == "stop"
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": "the sea", "max_tokens": 32, "stream": True})
+    assert r.status_code == 200 and '"finish_reason": "stop"' in r.text and r.text.rstrip().endswith("[DONE]")
+
+
+# ---------------------------------------------------------------------------- 2. memory amplification
+def _declaring(layer, name, nbytes, dtype="U8"):
+    raw = bytes(64)
+    c = pb.TensorChunk(name=name, layer=layer, dtype=dtype, shape=[nbytes], offset=0, raw_size=len(raw),
+                       data=lz4.frame.compress(raw))
+    c.crc32c = chunk_crc(c, raw)
+    return pb.KVFrame(chunk=c)
+
+
+@pytest.mark.parametrize("name", ["k", "zz"])
+def test_a_stream_declaring_huge_tensors_makes_the_consumer_allocate_nothing(svc, name):
+    """64 chunks of 64 bytes that declare 256 MiB each: refused at the first, before anything is
+    held (tracemalloc sees every allocation of the in-process consumer)."""
+    frames = make_frames(svc, "same")[:1] + [_declaring(0, f"{name}{i}" if i else name, 256 << 20)
+                                             for i in range(64)]
+    tracemalloc.start()
+    try:
+        err = refused(svc, "same", frames)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "declare" in err.details()
+    assert peak < 64 << 20, f"{peak:,} bytes allocated while refusing the stream"
+    wait_for(lambda: idle(svc, "same"), what="the consumer to hold nothing")
+
+
+def test_admission_charges_the_declared_payload_before_the_transfer(svc):
+    eng = cons(svc, "same").engine
+    from shared.domain import HeaderReceived
+    from shared.rpc.convert import header_from_pb
+
+    h = header_from_pb(make_frames(svc, "same")[0].header)
+    req = eng.open(HeaderReceived(h).header)
+    a = eng.adapter
+    cache = (len(PROMPT) + req.sampling.max_new_tokens) * a.n_layers * 2 * a.n_kv_heads * a.head_dim * 4
+    payload = a.n_layers * 2 * a.n_kv_heads * (len(PROMPT) - 1) * a.head_dim * 2  # raw fp16 K and V
+    assert eng.cache_estimate(req) == cache + payload
+
+
+# ---------------------------------------------------------------------------- 3. out-of-range values over HTTP
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "max_tokens": 4294967296}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "seed": 18446744073709551616}'),
+    ("/v1/completions", '{"model": "chat", "prompt": [5, -1]}'),
+    ("/v1/completions", '{"model": "chat", "prompt": [5, 4294967296]}'),
+    ("/v1/completions", '{"model": "chat", "prompt": [5, 999999]}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "\\ud800 sea"}'),
+    ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "temperature": NaN}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "stop": ["\\ud800"]}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "max_tokens": 100000}'),
+    ("/v1/completions", '{"model": "' + "x" * 100_000 + '", "prompt": "hi there"}'),
+])
+def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
+    r = httpx.post(http(svc) + path, headers={**H, "content-type": "application/json"}, content=body.encode(),
+                   timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and len(r.text) < 4000
+
+
+def test_a_one_token_prompt_is_served(svc):
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": [7], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 2  # the document-start token, then the prompt
+    assert gen(svc, consumer="same", method="raw", prompt=[7], max_new_tokens=2).token_ids
+
+
+def test_bearer_scheme_is_case_insensitive(svc):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert httpx.get(http(svc) + "/v1/models", headers={"Authorization": f"{scheme} {TOKEN}"}).status_code == 200
+        with grpc.insecure_channel(svc.consumer_addresses["same"]) as ch:
+            md = (("authorization", f"{scheme} {TOKEN}"),)
+            assert pbg.ConsumerStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=md).name == "same"
+    assert httpx.get(http(svc) + "/v1/models", headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+
+
+# ---------------------------------------------------------------------------- 4. restart
+def test_a_restarted_http_front_binds_its_port_at_once():
+    """The old run's connections linger in TIME_WAIT; the new run must still bind (SO_REUSEADDR)."""
+    from fastapi import FastAPI
+
+    from shared.rpc.http import HTTPServer
+
+    async def main():
+        app = FastAPI()
+
+        @app.get("/ping")
+        async def ping():
+            return {"ok": True}
+
+        first = HTTPServer(app, "127.0.0.1", 0, grace_s=1)
+        port = await first.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        assert b"200" in await reader.readline()
+        await first.stop()  # the server closes the kept-alive connection first: its side waits in TIME_WAIT
+        writer.close()
+        second = HTTPServer(app, "127.0.0.1", port, grace_s=1)
+        assert await second.start() == port
+        await second.stop()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- 5. chunked bodies
+def test_a_chunked_body_over_the_limit_is_413_as_it_arrives(svc):
+    limit = svc.producer_engine.settings.max_http_body_bytes
+    sent = {"n": 0}
+
+    def body():
+        yield b'{"model": "chat", "prompt": "'
+        for _ in range(4 * limit // 65536):
+            sent["n"] += 65536
+            yield b"a" * 65536
+        yield b'"}'
+
+    r = httpx.post(http(svc) + "/v1/completions", headers={**H, "content-type": "application/json"},
+                   content=body(), timeout=60)
+    assert r.status_code == 413 and "max_http_body_bytes" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------- 6. consistent liars
+def _raw_stream(svc, consumer, edit):
+    """A raw stream of PROMPT whose layer-1 tensors pass through ``edit`` (checksums recomputed)."""
+    frames = make_frames(svc, consumer)
+    header, totals = frames[0], StreamTotals()
+    from shared.codecs import CodecContext, make_method
+    from shared.model.hf_adapter import ModelAdapter
+
+    ad = ModelAdapter(svc._consumers[0].adapter.model)
+    state, m = ad.prefill(PROMPT[:-1]), make_method("raw", CodecContext(ad))
+    out = [totals.add(header)]
+    for layer in range(ad.n_layers):
+        tensors = m.encode_layer(state, layer, 0)
+        out += [totals.add(f) for f in layer_frames(layer, edit(tensors) if layer == 1 else tensors)]
+    return out + [totals.trailer()]
+
+
+def _nan(t):
+    t = t.clone()
+    t[0, 0, 0, 0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize("case,edit,code", [
+    ("bf16 where f16 is declared", lambda t: {**t, "k": t["k"].bfloat16()}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("i32 where f16 is declared", lambda t: {**t, "k": t["k"].view(torch.int32)}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("a row short", lambda t: {**t, "v": t["v"][:, :, 1:].contiguous()}, grpc.StatusCode.INVALID_ARGUMENT),
+    ("an extra tensor", lambda t: {**t, "r_scale": torch.ones(1, dtype=torch.float16)},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("NaN", lambda t: {**t, "k": _nan(t["k"])}, grpc.StatusCode.DATA_LOSS),
+    ("Inf", lambda t: {**t, "v": t["v"] * float("inf")}, grpc.StatusCode.DATA_LOSS),
+])
+def test_a_consistent_liar_is_refused(svc, case, edit, code):
+    err = refused(svc, "same", _raw_stream(svc, "same", edit))
+    assert err.code() == code, (case, err.details())
+    wait_for(lambda: idle(svc, "same"), what="the consumer to hold nothing")
+
+
+def test_trailer_raw_bytes_are_checked(svc):
+    frames = make_frames(svc, "same")
+    frames[-1].trailer.raw_bytes += 1
+    assert refused(svc, "same", frames).code() == grpc.StatusCode.DATA_LOSS
+
+
+def test_recompute_fallback_drains_the_stream(svc):
+    c = cons(svc, "picky-recompute")
+    before = c.metrics.value("frames_total", method="raw")
+    frames = make_frames(svc, "picky-recompute")
+    events = transfer(svc, "picky-recompute", frames)
+    assert events[-1].timings.fallback_recompute
+    assert c.metrics.value("frames_total", method="raw") - before == len(frames)
+
+
+# ---------------------------------------------------------------------------- 8. undecodable envelopes
+def test_undecodable_messages_are_invalid_argument_or_data_loss(svc):
+    ident = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with grpc.insecure_channel(svc.consumer_addresses["same"]) as ch:
+        call = ch.stream_stream("/scd.v1.Consumer/Transfer", **ident)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(call(iter([b"\xff\xff\xff"]), metadata=MD, timeout=30))
+        assert ei.value.code() == grpc.StatusCode.DATA_LOSS
+    with grpc.insecure_channel(svc.producer_address) as ch:
+        call = ch.unary_stream("/scd.v1.Producer/Generate", **ident)
+        bad_utf8 = b"\x0a\x02\xff\xfe" + pb.GenerateRequest(consumer="same").SerializeToString()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(call(bad_utf8, metadata=MD, timeout=30))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in ei.value.details()
+    assert gen(svc, consumer="same", method="raw", max_new_tokens=2).token_ids
+
+
+# ---------------------------------------------------------------------------- 9. unbounded echo
+def test_errors_and_events_do_not_grow_with_the_input(svc):
+    with pytest.raises(grpc.RpcError) as ei:
+        gen(svc, consumer="c" * 100_000, method="raw", max_new_tokens=2)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND and len(ei.value.details()) < 1100
+    with pytest.raises(grpc.RpcError) as ei:
+        req = client.request(PROMPT, consumer="same", method="raw", max_new_tokens=2)
+        req.request_id = "r" * 2_000_000
+        client.generate(svc.producer_address, req, token=TOKEN, timeout=60)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(ei.value.details()) < 1100
+    frames = make_frames(svc, "same")
+    frames[0].header.consumer = "n" * 100_000
+    err = refused(svc, "same", frames)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and len(err.details()) < 1100
+
+
+# ---------------------------------------------------------------------------- 10. trickling peers
+def test_a_trickling_stream_loses_its_slot_long_before_the_deadline(svc):
+    frames = make_frames(svc, "trickle")
+
+    def slow():
+        yield frames[0]
+        for f in frames[1:]:
+            import time
+
+            time.sleep(0.4)  # a few hundred bytes every 0.4 s: far under 200 kB/s
+            yield f
+
+    with grpc.insecure_channel(svc.consumer_addresses["trickle"]) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            list(pbg.ConsumerStub(ch).Transfer(slow(), timeout=120, metadata=MD))
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "min_progress_bytes_per_s" in ei.value.details()
+    wait_for(lambda: idle(svc, "trickle"), what="the slot to be freed")
+
+
+# ---------------------------------------------------------------------------- 11. the real status reaches the client
+def test_an_aio_sender_still_writing_learns_the_real_status_in_band(svc):
+    """A grpc.aio sender that keeps writing after the consumer has failed the stream may see only
+    INTERNAL "Internal error from Core" as the call's status (a race in gRPC core): the consumer
+    sends the status in band first, as the last message, which is what the producer relays."""
+    frames = make_frames(svc, "same")
+    frames[2].chunk.crc32c ^= 1
+    body = frames[:-1]
+
+    async def once():
+        async with grpc.aio.insecure_channel(svc.consumer_addresses["same"]) as ch:
+            async def writes():
+                for f in body:
+                    yield f
+                for _ in range(2000):  # keeps writing after the consumer has failed the request
+                    yield body[5]
+                    await asyncio.sleep(0)
+
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for ev in pbg.ConsumerStub(ch).Transfer(writes(), metadata=MD, timeout=30):
+                    got.append(ev)
+            return got
+
+    async def main():
+        return [await once() for _ in range(8)]
+
+    for got in asyncio.run(main()):
+        assert len(got) == 1 and got[0].error.code == "DATA_LOSS" and "crc32c" in got[0].error.message
+    wait_for(lambda: idle(svc, "same"), what="the consumer to hold nothing")
+
+
+def test_the_consumers_status_reaches_the_client_while_the_producer_still_writes(svc):
+    long_prompt = (PROMPT * 20)[:600]
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError) as ei:
+            gen(svc, consumer="short", method="raw", prompt=long_prompt, max_new_tokens=2)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+        assert "takes 2 to 8" in ei.value.details()
+
+
+# ---------------------------------------------------------------------------- 12. readiness per consumer
+def test_the_producer_reports_readiness_per_consumer(base, tok):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from ops_common import SEC, consumer
+
+    from producer_service.engine import ProducerEngine
+    from producer_service.settings import ProducerSettings
+    from tools.inprocess import InProcessServices
+
+    def make_producer(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={n: {"address": a} for n, a in addresses.items()}, http={"port": 0},
+                                  security=SEC, health_probe_s=0.2)
+        return ProducerEngine(s, base, tok)
+
+    with InProcessServices([consumer("only", base)], make_producer) as s:
+        def status(service=""):
+            with grpc.insecure_channel(s.producer_address) as ch:
+                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                            timeout=5).status
+
+        url = f"http://127.0.0.1:{s.producer_server.http.port}/health"
+        wait_for(lambda: status("scd.v1.Producer/only") == health_pb2.HealthCheckResponse.SERVING,
+                 what="the consumer to be reported serving")
+        assert httpx.get(url).json()["consumers"] == {"only": "serving"}
+        s._run(s.consumer_servers["only"].stop(0))  # its only consumer goes down
+        wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, what="the producer to say so")
+        assert status("scd.v1.Producer/only") == health_pb2.HealthCheckResponse.NOT_SERVING
+        r = httpx.get(url)
+        assert r.status_code == 503 and r.json()["consumers"] == {"only": "unavailable"}
