@@ -27,6 +27,11 @@ from shared.rpc.wire import StreamTotals, header_frame, layer_frames
 
 log = logging.getLogger(__name__)
 
+# A consumer that restarts is used again within a second or two of coming back: gRPC's default
+# reconnect backoff grows to two minutes, during which every request would fail with UNAVAILABLE.
+PEER_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 2000)]
+
 
 class ProducerServicer(pbg.ProducerServicer):
     def __init__(self, engine: ProducerEngine, metrics: Metrics | None = None):
@@ -41,10 +46,11 @@ class ProducerServicer(pbg.ProducerServicer):
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
+            opts = OPTIONS + PEER_OPTIONS
             if self._peer_creds is not None:
-                self._channels[address] = grpc.aio.secure_channel(address, self._peer_creds, options=OPTIONS)
+                self._channels[address] = grpc.aio.secure_channel(address, self._peer_creds, options=opts)
             else:
-                self._channels[address] = grpc.aio.insecure_channel(address, options=OPTIONS)
+                self._channels[address] = grpc.aio.insecure_channel(address, options=opts)
         return self._channels[address]
 
     async def close(self) -> None:

@@ -87,8 +87,21 @@ class Soak:
         stop([self.procs["consumer"]])
         self.procs["consumer"] = self._consumer()
         wait_healthy(f"127.0.0.1:{self.cport}", self.procs["consumer"])
-        time.sleep(3)  # the producer's reconnect and its health probe
+        self._wait_producer_sees_consumer()  # the window ends when the producer reports the consumer again
         self.restarting.clear()
+
+    def _wait_producer_sees_consumer(self, timeout: float = 60.0) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            with grpc.insecure_channel(f"127.0.0.1:{self.pport}") as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=f"scd.v1.Producer/{self.pair}"), timeout=5)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"the producer did not see consumer {self.pair!r} again within {timeout:.0f} s")
 
     # ------------------------------------------------------------------ traffic
     def _prompt(self) -> str:
@@ -117,9 +130,14 @@ class Soak:
                 self._http(kind, method)
         except grpc.RpcError as e:
             code = e.code().name
+            restart = window or self.restarting.is_set()
             if code == "DEADLINE_EXCEEDED":
                 t.lost.append(f"{kind} {method}: no answer within 120 s")
-            t.add(kind, code.lower() + (" (restart)" if window or self.restarting.is_set() else ""))
+            elif code in ("UNAVAILABLE", "INTERNAL", "UNKNOWN") and not restart:
+                t.server_errors.append(f"{kind} {method}: {code} {e.details()[:200]}")
+            t.add(kind, code.lower() + (" (restart)" if restart else ""))
+            if restart:
+                time.sleep(0.2)  # the consumer is down: do not spin
         except httpx.HTTPError as e:
             t.lost.append(f"{kind} {method}: {type(e).__name__} {e}")
             t.add(kind, "transport error")
@@ -140,6 +158,8 @@ class Soak:
             if not restart:
                 self.tally.server_errors.append(f"{kind} {method}: HTTP {r.status_code} {r.text[:200]}")
             self.tally.add(kind, f"http {r.status_code}" + (" (restart)" if restart else ""))
+            if restart:
+                time.sleep(0.2)
             return
         if kind == "http-stream" and r.status_code == 200 and not r.text.rstrip().endswith("[DONE]"):
             self.tally.lost.append(f"{kind} {method}: the event stream did not end with [DONE]")
