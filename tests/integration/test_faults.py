@@ -18,32 +18,15 @@ import httpx2 as httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ops_common import LOAD_BUDGET, LOAD_NEW, MD, PROMPT, SEC, TOKEN, cons, gen, http, idle, make_frames, ops_services
-from ops_support import VENV_BIN, env, save_tiny, tiny_tokenizer, wait_for
+from ops_common import LOAD_BUDGET, LOAD_NEW, MD, PROMPT, SEC, TOKEN, cons, gen, http, idle, make_frames
+from ops_support import VENV_BIN, env, save_tiny, wait_for
 
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
-from shared.model.tiny import tiny_model
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from tools import client
 from tools.inprocess import InProcessServices
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_model("llama", n_layers=4)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def svc(base, tok):
-    with ops_services(base, tok) as s:
-        yield s
 
 
 # ---------------------------------------------------------------------------- faults

@@ -14,32 +14,15 @@ import httpx2 as httpx
 import lz4.frame
 import pytest
 import torch
-from ops_common import MD, PROMPT, TOKEN, cons, gen, http, idle, make_frames, ops_services
-from ops_support import tiny_tokenizer, wait_for
+from ops_common import MD, PROMPT, TOKEN, cons, gen, http, idle, make_frames
+from ops_support import wait_for
 
-from shared.model.tiny import tiny_model
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.wire import StreamTotals, chunk_crc, layer_frames
 from tools import client
 
 H = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_model("llama", n_layers=4)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def svc(base, tok):
-    with ops_services(base, tok) as s:
-        yield s
 
 
 def transfer(svc, consumer, frames, timeout=30):

@@ -9,35 +9,18 @@ from pathlib import Path
 import grpc
 import httpx2 as httpx
 import pytest
-from ops_common import MD, PROMPT, TOKEN, cons, gen, http, idle, local_greedy, make_frames, ops_services
-from ops_support import self_signed, tiny_tokenizer
+from ops_common import MD, PROMPT, TOKEN, cons, gen, http, idle, local_greedy, make_frames
+from ops_support import self_signed
 
 from consumer_service.engine import ConsumerEngine
 from consumer_service.settings import ConsumerSettings
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
-from shared.model.tiny import tiny_model
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.wire import PROTOCOL_VERSION
 from tools import client
 from tools.inprocess import InProcessServices
-
-
-@pytest.fixture(scope="module")
-def base():
-    return tiny_model("llama", n_layers=4)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def svc(base, tok):
-    with ops_services(base, tok) as s:
-        yield s
 
 
 # ---------------------------------------------------------------------------- HTTP front
