@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick calibrate eval
+.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick calibrate eval soak
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ bench-overlap: install assets
 # TTFT over a rate-limited link between two network namespaces (needs root; ~30-40 min on 2 idle cores)
 bench: install assets
 	$(SCD) bench --json results/bench.json --png results/bench.png
+
+# 10 minutes of mixed traffic against both services (a benchmark: exits 1 on a lost request, a 5xx or a leak)
+soak: install assets
+	$(SCD) soak --minutes 10 --json results/soak_10min.json
 
 bench-quick: install assets
 	$(SCD) bench --quick --json results/bench_quick.json

@@ -63,8 +63,9 @@ class _Body(BaseModel):
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
     # SCD extensions
-    method: str = ""
-    method_params: dict[str, str] = {}
+    method: str = Field("", max_length=64)
+    method_params: dict[str, Any] = {}
+    """Method settings; values that are not strings (numbers, lists) are sent as JSON."""
     native_prefix: bool = True
 
     @model_validator(mode="before")
@@ -78,14 +79,20 @@ class CompletionBody(_Body):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
 
@@ -123,7 +130,8 @@ def _chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
 def _request(body: _Body, ids: list[int]) -> GenerateRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return GenerateRequest(
-        prompt=tuple(ids), consumer=body.model, method=body.method, method_params=dict(body.method_params),
+        prompt=tuple(ids), consumer=body.model, method=body.method,
+        method_params={k: v if isinstance(v, str) else json.dumps(v) for k, v in body.method_params.items()},
         native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
         sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
                                  temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed or 0),

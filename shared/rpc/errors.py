@@ -18,6 +18,7 @@ CODES: list[tuple[type[Exception], grpc.StatusCode]] = [
     (E.InvalidPayload, grpc.StatusCode.INVALID_ARGUMENT),
     (E.NotFound, grpc.StatusCode.NOT_FOUND),
     (E.PreconditionFailed, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.ConfigError, grpc.StatusCode.FAILED_PRECONDITION),  # settings that cannot serve this request
     (E.DataLoss, grpc.StatusCode.DATA_LOSS),
     (E.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (E.NotReady, grpc.StatusCode.UNAVAILABLE),

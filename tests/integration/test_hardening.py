@@ -107,6 +107,13 @@ def test_admission_charges_the_declared_payload_before_the_transfer(svc):
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "stop": ["\\ud800"]}'),
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "max_tokens": 100000}'),
     ("/v1/completions", '{"model": "' + "x" * 100_000 + '", "prompt": "hi there"}'),
+    ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": 5}]}]}'),
+    ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "user", "content": [7]}]}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "method": "raw", "method_params": {"dtype": 5}}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "method": "raw", "method_params": {"bogus": [1]}}'),
+    ("/v1/completions", '[1, 2, 3]'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "n": 2}'),
 ])
 def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
     r = httpx.post(http(svc) + path, headers={**H, "content-type": "application/json"}, content=body.encode(),
@@ -114,6 +121,13 @@ def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     err = r.json()["error"]
     assert err["message"] and err["type"] and len(r.text) < 4000
+
+
+def test_method_params_may_be_json_values(svc):
+    r = httpx.post(http(svc) + "/v1/chat/completions", headers=H, timeout=60,
+                   json={"model": "chat", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                         "max_tokens": 2, "method": "raw", "method_params": {"dtype": "float32"}})
+    assert r.status_code == 200, r.text
 
 
 def test_a_one_token_prompt_is_served(svc):
