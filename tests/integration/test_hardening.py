@@ -7,6 +7,7 @@ before these fixes. Every wait is a bounded poll; nothing asserts a timing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tracemalloc
 
 import grpc
@@ -14,6 +15,8 @@ import httpx2 as httpx
 import lz4.frame
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ops_common import MD, PROMPT, TOKEN, cons, gen, http, idle, make_frames
 from ops_support import wait_for
 
@@ -369,3 +372,47 @@ def test_the_producer_reports_readiness_per_consumer(base, tok):
         assert status("scd.v1.Producer/only") == health_pb2.HealthCheckResponse.NOT_SERVING
         r = httpx.get(url)
         assert r.status_code == 503 and r.json()["consumers"] == {"only": "unavailable"}
+
+
+# ---------------------------------------------------------------------------- the classes, not the examples
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                 st.text(max_size=40), st.lists(st.integers(-2**40, 2**40), max_size=4),
+                 st.lists(st.dictionaries(st.sampled_from(["role", "content", "type", "text"]),
+                                          st.one_of(st.text(max_size=10), st.integers(), st.none()), max_size=3),
+                          max_size=2),
+                 st.dictionaries(st.text(max_size=8), st.one_of(st.text(max_size=8), st.integers()), max_size=2))
+_KEYS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+         "stream", "n", "method", "method_params", "native_prefix", "logprobs", "echo"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       edits=st.dictionaries(st.sampled_from(_KEYS), _ANY, min_size=1, max_size=3))
+def test_any_http_body_gets_a_non_5xx_answer_with_an_openai_error_when_refused(svc, path, edits):
+    body = {"model": "chat", "max_tokens": 2,
+            **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hello there"}),
+            **edits}
+    data = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    r = httpx.post(http(svc) + path, headers={**H, "content-type": "application/json"}, content=data, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(consumer=st.sampled_from(["same", "chat", "short", "nope", ""]),
+       method=st.sampled_from(["", "raw", "oracle", "scd", "bogus"]),
+       params=st.dictionaries(st.sampled_from(["dtype", "patch_layers", "x"]),
+                              st.sampled_from(["", "float32", "[1]", "nan", "x" * 300]), max_size=2),
+       max_new=st.sampled_from([0, 1, 600, 2**32 - 1]), temperature=st.floats(allow_nan=True, allow_infinity=True),
+       top_p=st.floats(allow_nan=True, allow_infinity=True), stop=st.lists(st.text(max_size=300), max_size=20),
+       prompt=st.one_of(st.text(max_size=50), st.lists(st.integers(0, 2**32 - 1), max_size=30)))
+def test_any_generate_request_gets_a_precise_status(svc, consumer, method, params, max_new, temperature, top_p, stop,
+                                                    prompt):
+    req = client.request(prompt, consumer=consumer, method=method, max_new_tokens=max_new, temperature=temperature,
+                         top_p=top_p, stop=tuple(stop), method_params=params)
+    try:
+        client.generate(svc.producer_address, req, token=TOKEN, timeout=60)
+    except grpc.RpcError as e:
+        assert e.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), e.details()
+        assert len(e.details()) <= 1024

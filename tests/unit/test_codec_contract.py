@@ -84,9 +84,10 @@ def _lies(tensors):
     yield "extra", InvalidPayload, {**tensors, "extra": torch.zeros(2, dtype=torch.uint8)}
     other = torch.int32 if t.dtype != torch.int32 else torch.float16
     yield "dtype", InvalidPayload, {**tensors, name: t.to(other)}
-    one = torch.ones(1, dtype=t.dtype)
-    if t.shape != one.shape:
-        yield "broadcast", InvalidPayload, {**tensors, name: one}
+    for each, u in tensors.items():  # every tensor, e.g. a [1] scale that would broadcast over its rows
+        one = torch.ones(1, dtype=u.dtype)
+        if u.shape != one.shape:
+            yield f"broadcast {each}", InvalidPayload, {**tensors, each: one}
     if t.numel() > 1:
         yield "rows", InvalidPayload, {**tensors, name: t.reshape(-1)[1:].clone() if t.dim() == 1 else t[:-1].clone()}
     floats = [n for n, v in tensors.items() if v.is_floating_point() and v.numel()]
