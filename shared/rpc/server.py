@@ -125,7 +125,10 @@ class GRPCServer:
         except RuntimeError as e:
             raise OSError(f"cannot listen on {self.host}:{self.port} ({e}); is another server using it?") from None
         await self.server.start()
-        for name in ["", *self._names]:
+        # "" and the service names report readiness (the producer's follows its consumers); "liveness"
+        # only that the process serves, for liveness probes that must not restart a producer whose
+        # consumer is down
+        for name in ["", "liveness", *self._names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         for fn in self.on_start:
             await fn()

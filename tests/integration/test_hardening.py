@@ -370,6 +370,7 @@ def test_the_producer_reports_readiness_per_consumer(base, tok):
         s._run(s.consumer_servers["only"].stop(0))  # its only consumer goes down
         wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, what="the producer to say so")
         assert status("scd.v1.Producer/only") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert status("liveness") == health_pb2.HealthCheckResponse.SERVING  # not ready, but alive
         r = httpx.get(url)
         assert r.status_code == 503 and r.json()["consumers"] == {"only": "unavailable"}
 

@@ -42,3 +42,30 @@ def test_k8s_mounts_the_token_secret_and_exposes_http_and_metrics():
         assert vols["artifacts"]["persistentVolumeClaim"]["claimName"] == "scd-artifacts"
     pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
     assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+
+
+def test_the_image_holds_every_package_the_entry_point_needs_and_runs_unprivileged():
+    """The CLI (``scd``) lives in tools/ and the default CMD reads deploy/: both must be in the image."""
+    import tomllib
+
+    root = DEPLOY.parent
+    text = (DEPLOY / "Dockerfile").read_text()
+    copied = {line.split()[1].rstrip("/") for line in text.splitlines() if line.startswith("COPY ")}
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert {p.rstrip("*") for p in include} | {"deploy", "proto", "artifacts"} <= copied
+    user = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
+    assert user and user[-1] not in ("root", "0")
+    exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE ") for p in line.split()[1:]}
+    assert {50051, 50052, 8080, 9090} <= exposed and "HEALTHCHECK" in text and "liveness" in text
+    ignored = (root / ".dockerignore").read_text().split()
+    assert ".venv/" in ignored and ".git/" in ignored
+    assert "deploy/scd-token" in (root / ".gitignore").read_text().split()
+
+
+def test_k8s_images_are_not_pulled_from_a_registry_and_liveness_is_not_readiness():
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "scd-serve.yaml").read_text()) if d]
+    containers = [c for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]]
+    assert containers and all(c["imagePullPolicy"] == "IfNotPresent" for c in containers)
+    # a producer whose consumer is down is not ready, but it must not be restarted for it
+    assert all(c["livenessProbe"]["grpc"]["service"] == "liveness" for c in containers)
+    assert all("service" not in c["readinessProbe"]["grpc"] for c in containers)
