@@ -48,7 +48,20 @@ def test_corrupted_frame_is_data_loss_and_nothing_else_is_affected(svc):
     wait_for(lambda: idle(svc, "same"), what="the consumer to hold nothing")
 
 
-def test_client_that_goes_away_frees_the_request_on_both_sides(svc):
+def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch):
+    """The consumer's decoding is held after its second token until the client has gone, so the
+    request cannot finish first (a fast tiny model could write all its tokens ahead of a slow client)."""
+    from shared.generation import Generator
+
+    step, gates = Generator.step, {4000: threading.Event(), 3999: threading.Event()}
+
+    def gated(self):  # each request waits on its own gate (a cancelled one may still take one more step)
+        out = step(self)
+        if len(self.tokens) >= 2:
+            gates[self.sampling.max_new_tokens].wait(30)
+        return out
+
+    monkeypatch.setattr(Generator, "step", gated)
     pm, cs = svc._servicer.metrics, cons(svc, "same")
     cancelled = cs.metrics.value("requests_total", method="raw", outcome="cancelled", fallback="none")
     req = client.request(PROMPT, consumer="same", method="raw", max_new_tokens=4000)
@@ -57,17 +70,19 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc):
         next(call)
         assert cs.admission.held > 0 and pm.value("inflight_requests") == 1
         call.cancel()
+    gates[4000].set()
     wait_for(lambda: idle(svc, "same") and pm.value("inflight_requests") == 0, what="both sides to free")
     assert cs.metrics.value("requests_total", method="raw", outcome="cancelled", fallback="none") == cancelled + 1
 
     # the same through the HTTP front: the client reads one event and hangs up
-    body = {"model": "same", "prompt": PROMPT, "max_tokens": 4000, "stream": True, "method": "raw"}
+    body = {"model": "same", "prompt": PROMPT, "max_tokens": 3999, "stream": True, "method": "raw"}
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", http(svc) + "/v1/completions", json=body,
                       headers={"authorization": f"Bearer {TOKEN}"}) as r:
             assert r.status_code == 200
             assert next(r.iter_lines()).startswith("data: ")
             assert cs.admission.held > 0
+    gates[3999].set()
     wait_for(lambda: idle(svc, "same") and pm.value("inflight_requests") == 0, what="both sides to free (HTTP)")
 
 
