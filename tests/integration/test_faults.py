@@ -30,6 +30,23 @@ from tools.inprocess import InProcessServices
 
 
 # ---------------------------------------------------------------------------- faults
+def stalled_after(svc, consumer, frames) -> grpc.RpcError:
+    """Send ``frames`` to the consumer, then nothing (the stream stays open): the consumer's error."""
+    stop = threading.Event()
+
+    def stalled():
+        yield from frames
+        stop.wait(30)
+
+    try:
+        with grpc.insecure_channel(svc.consumer_addresses[consumer]) as ch:
+            with pytest.raises(grpc.RpcError) as ei:
+                list(pbg.ConsumerStub(ch).Transfer(stalled(), timeout=30, metadata=MD))
+    finally:
+        stop.set()
+    return ei.value
+
+
 def test_corrupted_frame_is_data_loss_and_nothing_else_is_affected(svc):
     solo = gen(svc, consumer="same", method="raw", max_new_tokens=40)
     bad = make_frames(svc, "same")
@@ -94,33 +111,14 @@ def test_no_request_outlives_its_deadline(svc):
              what="both sides to free")
     # a stream whose header deadline passes while the consumer waits for frames (lease: 1.5 s)
     frames = make_frames(svc, "lease", deadline_unix=time.time() + 0.5)
-    stop = threading.Event()
-
-    def stalled():
-        yield frames[0]
-        stop.wait(30)
-
-    with grpc.insecure_channel(svc.consumer_addresses["lease"]) as ch:
-        with pytest.raises(grpc.RpcError) as ei:
-            list(pbg.ConsumerStub(ch).Transfer(stalled(), timeout=30, metadata=MD))
-    stop.set()
-    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in ei.value.details()
+    err = stalled_after(svc, "lease", frames[:1])
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline" in err.details()
     wait_for(lambda: idle(svc, "lease"), what="the consumer to free")
 
 
 def test_stalled_producer_is_aborted_after_the_lease(svc):
-    frames = make_frames(svc, "lease")
-    stop = threading.Event()
-
-    def stalled():
-        yield from frames[:4]
-        stop.wait(30)
-
-    with grpc.insecure_channel(svc.consumer_addresses["lease"]) as ch:
-        with pytest.raises(grpc.RpcError) as ei:
-            list(pbg.ConsumerStub(ch).Transfer(stalled(), timeout=30, metadata=MD))
-    stop.set()
-    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no frame for" in ei.value.details()
+    err = stalled_after(svc, "lease", make_frames(svc, "lease")[:4])
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no frame for" in err.details()
     wait_for(lambda: idle(svc, "lease"), what="the consumer to free")
 
 
