@@ -97,7 +97,8 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch)
         with c.stream("POST", http(svc) + "/v1/completions", json=body,
                       headers={"authorization": f"Bearer {TOKEN}"}) as r:
             assert r.status_code == 200
-            assert next(r.iter_lines()).startswith("data: ")
+            lines = r.iter_lines()  # kept: a discarded line iterator closes the connection when collected
+            assert next(lines).startswith("data: ")
             assert cs.admission.held > 0
     gates[3999].set()
     wait_for(lambda: idle(svc, "same") and pm.value("inflight_requests") == 0, what="both sides to free (HTTP)")
