@@ -86,6 +86,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class _ScatterCache:
+    """Stands in for a transformers ``Cache`` inside ``run_layers_sparse``: a layer's update writes
+    the recomputed positions' rotated K/V into that layer's full-length K/V and returns all of it."""
+
+    def __init__(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor):
+        self.keys, self.values, self.positions = keys, values, positions
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[:, :, self.positions] = key_states.to(k.dtype)
+        v[:, :, self.positions] = value_states.to(v.dtype)
+        return k, v
+
+
 class ModelAdapter:
     """Reads and writes the KV internals of one HF causal LM."""
 
@@ -101,6 +115,8 @@ class ModelAdapter:
         self.kv_dim: int = self.n_kv_heads * self.head_dim
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        layer_params = inspect.signature(type(model.model.layers[0]).forward).parameters
+        self._layer_cache_kw = "cache" if "cache" in layer_params else "past_key_values"
 
     # ------------------------------------------------------------------ basics
     @property
@@ -267,6 +283,49 @@ class ModelAdapter:
                 x = self.layers[i](x, attention_mask=masks[self.layer_type(i)], position_ids=pos,
                                    position_embeddings=pe)
         return x, [cap["k"][i] for i in range(first, last)], [cap["v"][i] for i in range(first, last)]
+
+    @torch.inference_mode()
+    def run_layers_sparse(
+        self, residual: torch.Tensor, positions: torch.Tensor, keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor], first: int, last: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run decoder layers ``first..last-1`` for some positions only (CacheBlend-style selective
+        recompute). ``residual`` [1, S, d] holds the residual-stream states of ``positions`` [S]
+        (sorted); ``keys``/``values`` hold, per layer of the range, pre-RoPE K/V [1, H, T, D] of
+        every position, taken as given for the positions not recomputed. The recomputed positions
+        attend to all positions up to their own (the given K/V elsewhere, their own new K/V). Returns
+        the residual output of ``positions`` and each layer's K/V, the recomputed positions replaced
+        by native ones. With every position selected this is ``run_layers``."""
+        if not 0 <= first < last <= self.n_layers:
+            raise ValueError(f"layer range must satisfy 0 <= first < last <= {self.n_layers}, got {first}..{last}")
+        if len(keys) != last - first or len(values) != last - first:
+            raise ValueError(f"expected K/V of {last - first} layers, got {len(keys)} and {len(values)}")
+        x = residual.to(self.device, self.dtype)
+        pos = positions.to(self.device).view(1, -1)
+        t = keys[0].shape[2]
+        dt = self.dtype
+        keys_out = [k.to(self.device, dt).clone() for k in keys]
+        values_out = [v.to(self.device, dt).clone() for v in values]
+        scatter = _ScatterCache({first + i: self.apply_rope(k) for i, k in enumerate(keys_out)},
+                                {first + i: v.clone() for i, v in enumerate(values_out)}, pos[0])
+        pe = self.model.model.rotary_emb(x, position_ids=pos)
+        kpos = torch.arange(t, device=self.device)
+        allowed = kpos.view(1, -1) <= pos.view(-1, 1)  # [S, T] causal by position
+        masks = {"full_attention": allowed}
+        window = getattr(self.config, "sliding_window", None)
+        if window:
+            masks["sliding_attention"] = allowed & (kpos.view(1, -1) > pos.view(-1, 1) - window)
+        neg = torch.finfo(dt).min
+        add = {kind: torch.zeros(m.shape, dtype=dt, device=self.device).masked_fill(~m, neg)[None, None]
+               for kind, m in masks.items()}
+        with self._capture(range(first, last), (), ()) as cap:
+            for i in range(first, last):
+                x = self.layers[i](x, attention_mask=add[self.layer_type(i)], position_ids=pos,
+                                   position_embeddings=pe, **{self._layer_cache_kw: scatter})
+        for i in range(first, last):
+            keys_out[i - first][:, :, pos[0]] = cap["k"][i].to(dt)
+            values_out[i - first][:, :, pos[0]] = cap["v"][i].to(dt)
+        return x, keys_out, values_out
 
     def layer_type(self, layer: int) -> str:
         """``full_attention`` or ``sliding_attention`` (Mistral, Qwen2/3 and Gemma 2 may slide)."""

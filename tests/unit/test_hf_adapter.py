@@ -57,6 +57,32 @@ def test_run_layers_reproduces_prefill(adapter):
         torch.testing.assert_close(values[j], state.values[layer], atol=1e-5, rtol=1e-5)
 
 
+def test_sparse_run_recomputes_its_positions_exactly(adapter):
+    """Selected positions recomputed over the others' true K/V give the prefill's own states and
+    K/V there, whatever the family (sliding windows included); every position selected ignores the
+    K/V it is given; and the given K/V really are what the other positions contribute."""
+    n = adapter.n_layers
+    state = adapter.prefill(IDS, residual_layers=[1, n - 1])
+    true_k, true_v = list(state.keys[1:n - 1]), list(state.values[1:n - 1])
+    junk_k = [torch.randn_like(k) for k in true_k]
+    junk_v = [torch.randn_like(v) for v in true_v]
+    sel = torch.tensor([0, 4, 17, 30, 36])
+    out, keys, values = adapter.run_layers_sparse(state.residual[1][:, sel], sel, true_k, true_v, 1, n - 1)
+    torch.testing.assert_close(out, state.residual[n - 1][:, sel], atol=1e-5, rtol=1e-5)
+    for j in range(n - 2):
+        torch.testing.assert_close(keys[j], true_k[j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[j], true_v[j], atol=1e-5, rtol=1e-5)
+    every = torch.arange(IDS.shape[1])
+    out, keys, _ = adapter.run_layers_sparse(state.residual[1], every, junk_k, junk_v, 1, n - 1)
+    torch.testing.assert_close(out, state.residual[n - 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys[-1], true_k[-1], atol=1e-5, rtol=1e-5)
+    out, keys, _ = adapter.run_layers_sparse(state.residual[1][:, sel], sel, junk_k, junk_v, 1, n - 1)
+    assert not torch.allclose(out, state.residual[n - 1][:, sel], atol=1e-3)
+    others = torch.ones(IDS.shape[1], dtype=torch.bool)
+    others[sel] = False
+    assert torch.equal(keys[0][:, :, others], junk_k[0][:, :, others])  # the given K/V kept as given
+
+
 def test_score_matches_full_forward(adapter):
     prompt, cont = IDS[0, :30].tolist(), IDS[0, 30:].tolist()
     state = adapter.prefill(prompt[:-1])
