@@ -26,6 +26,9 @@ class ArtifactMeta(BaseModel):
     reuse_code: Literal["separate", "joint"] = "separate"
     """``separate``: K and V codes of ranks r_k, r_v; ``joint``: one [K | V] code of rank r_kv."""
     r_kv: int = 0
+    layer_ranks: dict[int, int] = {}
+    """Joint code only: layers whose code has another rank than ``r_kv`` (calibration lowers the
+    rank where the drift does not matter, e.g. before a PATCH block)."""
     r_h: int
     code_bits: Literal[8, 16]
     center: bool
@@ -33,6 +36,9 @@ class ArtifactMeta(BaseModel):
     patch_blocks: list[tuple[int, int]] = []
     """PATCH blocks [a, b) (end exclusive): the producer sends its residual-stream state at layer a
     (int8 per token), the consumer runs its own layers a..b-1 over the prompt and keeps their K/V."""
+    block_exit_kv: bool = False
+    """The K/V of the layer right after each PATCH block come from the block's output state with
+    the consumer's own projections (nothing crosses for that layer)."""
     aligner_hidden: int
     calibration: dict[str, Any] = {}
     """Data hash, prompt and token counts, settings."""

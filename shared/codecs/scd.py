@@ -61,6 +61,13 @@ class SCDSession(BlockSession):
     def entry_state(self, tensors, block):
         return self.method._uncode(tensors, "r", self.model.hidden_size)
 
+    def after_block(self, out, block):
+        b = block[1]
+        if b in self.method.exit_layers:  # the next layer's native K/V from the block's output state
+            k, v = self.model.kv_from_residual(b, out)
+            s = self.job.start
+            self._block_kv[b] = (k[:, :, s:], v[:, :, s:])
+
 
 class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_model=True, requires={"artifacts"}):
     class Config(MethodConfig):
@@ -89,7 +96,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.patch = self._patch_set(getattr(cfg, "patch_layers", "none"))
         use_blocks = getattr(cfg, "patch_blocks", "none") == "auto"
         self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
-        self.patch -= {l for a, b in self.blocks for l in range(a, b)}
+        n_layers = ctx.model.n_layers
+        self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) if self.meta.block_exit_kv \
+            else frozenset()
+        self.patch -= {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
         self._aligners: dict[int, Aligner] = {}
 
     def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
@@ -105,6 +115,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
 
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.patch))
+
+    def rank(self, layer: int) -> int:
+        """The joint code's rank at ``layer``."""
+        return self.meta.layer_ranks.get(layer, self.meta.r_kv)
 
     def pin(self) -> str:
         return self.art.pin
@@ -123,6 +137,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         if block is not None:  # the whole prompt's state at the entry: the recompute attends to every position
             return self._code(state.residual[layer][0].float(), "r") if layer == block[0] else \
                 {"skip": torch.zeros(0, dtype=torch.uint8)}
+        if layer in self.exit_layers:
+            return {"skip": torch.zeros(0, dtype=torch.uint8)}
         if layer in self.patch:
             h = state.hidden[layer][0, start:].float()
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
@@ -144,11 +160,13 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         block, meta = self.block_at(layer), self.meta
         if block is not None:
             return self._code_schema("r", job.n_tokens, self.ctx.model.hidden_size) if layer == block[0] else SKIP
+        if layer in self.exit_layers:
+            return SKIP
         n = job.n_transfer
         if layer in self.patch:
             return self._code_schema("u", n, meta.r_h)
         if meta.reuse_code == "joint":
-            return self._code_schema("zkv", n, meta.r_kv)
+            return self._code_schema("zkv", n, self.rank(layer))
         return {**self._code_schema("zk", n, meta.r_k), **self._code_schema("zv", n, meta.r_v)}
 
     # ------------------------------------------------------------------ consumer
@@ -166,7 +184,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         m = self.ctx.model
         dev, a = m.device, self.art
         joint = self.meta.reuse_code == "joint"
-        parts = (("kv", self.meta.r_kv),) if joint else (("k", self.meta.r_k), ("v", self.meta.r_v))
+        parts = (("kv", self.rank(layer)),) if joint else (("k", self.meta.r_k), ("v", self.meta.r_v))
         xs = []
         for kv, r in parts:
             z = self._uncode(tensors, f"z{kv}", r).to(dev)

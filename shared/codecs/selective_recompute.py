@@ -80,11 +80,15 @@ class BlockSession(DecodeSession):
         if h.dim() != 2 or tuple(h.shape) != want:
             raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has shape {tuple(h.shape)}; "
                                  f"expected {want}")
-        _, ks, vs = self.model.run_layers(h.unsqueeze(0), a, b)
+        out, ks, vs = self.model.run_layers(h.unsqueeze(0), a, b)
         s = self.job.start
         for i, layer_i in enumerate(range(a, b)):
             self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
+        self.after_block(out, block)
         return self._block_kv.pop(a)
+
+    def after_block(self, out: torch.Tensor, block: tuple[int, int]) -> None:
+        """A hook with the block's output residual state [1, n_tokens, d]; nothing by default."""
 
 
 class DroidSpeakSession(BlockSession):

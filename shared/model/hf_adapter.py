@@ -254,6 +254,12 @@ class ModelAdapter:
         return k, self._split_heads(attn.v_proj(h))
 
     @torch.inference_mode()
+    def kv_from_residual(self, layer: int, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Native pre-RoPE K and V of ``layer`` from its residual-stream input [B, T, d]."""
+        norm = self.layers[layer].input_layernorm
+        return self.regenerate_kv(layer, norm(residual.to(self.device, self.dtype)))
+
+    @torch.inference_mode()
     def queries(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE queries [B, H_q, T, D] of ``layer`` from a normalized pre-attention input [B, T, d]."""
         attn = self.layers[layer].self_attn

@@ -363,3 +363,80 @@ def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair,
     with pytest.raises(ValueError, match="block_layers=4"):
         calibrate(producer, consumer, prompts, val, cfg.model_copy(update={"block_layers": 4}), str(tmp_path), "x",
                   progress=False)
+
+
+def _variant(meta, pt, ct, **update):
+    """Artifacts of the same calibration with another block, exit layer or per-layer ranks (the
+    REUSE maps of a lowered layer truncated to its rank)."""
+    meta = meta.model_copy(update=update)
+    pt, ct = dict(pt), dict(ct)
+    for layer, r in meta.layer_ranks.items():
+        pt[f"enc.kv.{layer}"] = pt[f"enc.kv.{layer}"][:, :r].contiguous()
+        ct[f"dec.kv.{layer}"] = ct[f"dec.kv.{layer}"][:r].contiguous()
+    return PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
+
+
+def test_scd_block_exit_layer_is_native_from_the_blocks_output_and_costs_no_bytes(tiny_pair, tmp_path):
+    """With ``block_exit_kv`` the layer after the block sends nothing and its K/V are the consumer's
+    own projections of the block's output state; without it, the REUSE code crosses."""
+    from shared.codecs.quant import dequantize_rows, quantize_rows
+
+    producer, consumer = tiny_pair
+    *_, folder, _ = _calibrate_tiny_joint(tiny_pair, tmp_path, 17, block_layers=2, block_exit_kv="off")
+    meta, pt = store.load(folder, "producer")
+    _, ct = store.load(folder, "consumer")
+    a, b = 0, 2
+    out = {}
+    for exit_kv in (False, True):
+        p, c = _variant(meta, pt, ct, patch_blocks=[(a, b)], patch_layers=[], block_exit_kv=exit_kv)
+        out[exit_kv] = _transfer("scd", CodecContext(producer, p), CodecContext(consumer, c))
+    (cache, nbytes, enc), (cache0, nbytes0, enc0) = out[True], out[False]
+    assert set(enc[b]) == {"skip"} and set(enc0[b]) == {"zkv", "zkv_scale"} and nbytes < nbytes0
+    res = producer.prefill(IDS[:-1], residual_layers=[a]).residual[a]
+    h, _, _ = consumer.run_layers(dequantize_rows(*quantize_rows(res[0].float(), 8)).unsqueeze(0), a, b)
+    k, v = consumer.kv_from_residual(b, h)
+    assert torch.allclose(cache.layers[b].values, v, atol=1e-5)
+    assert torch.allclose(cache.layers[b].keys, consumer.apply_rope(k), atol=1e-5)
+    assert not torch.allclose(cache0.layers[b].values, v, atol=1e-3)
+    for layer in range(b + 1, producer.n_layers):  # the layers after it are REUSE in both
+        assert torch.equal(cache.layers[layer].values, cache0.layers[layer].values)
+
+
+def test_scd_per_layer_ranks_are_declared_sent_and_checked(tiny_pair, tmp_path):
+    """A lowered layer's code has its own width on the wire and in the schema; a producer that
+    sends the full rank there is refused before decoding."""
+    producer, consumer = tiny_pair
+    *_, folder, _ = _calibrate_tiny_joint(tiny_pair, tmp_path, 18, block_layers=2, block_exit_kv="off")
+    meta, pt = store.load(folder, "producer")
+    _, ct = store.load(folder, "consumer")
+    p, c = _variant(meta, pt, ct, patch_blocks=[(2, 4)], patch_layers=[], layer_ranks={0: 8, 1: 16})
+    cache, nbytes, enc = _transfer("scd", CodecContext(producer, p), CodecContext(consumer, c))
+    assert enc[0]["zkv"].shape == (len(IDS) - 1, 8) and enc[1]["zkv"].shape == (len(IDS) - 1, 16)
+    full, full_bytes, _ = _transfer("scd", *(CodecContext(m, PairArtifacts(meta.model_copy(
+        update={"patch_blocks": [(2, 4)], "patch_layers": []}), t, side)) for m, t, side in
+        ((producer, pt, "producer"), (consumer, ct, "consumer"))))
+    assert nbytes < full_bytes
+    dec = make_method("scd", CodecContext(consumer, c))
+    session = dec.start(DecodeJob(IDS, len(IDS) - 1, 0))
+    wide = make_method("scd", CodecContext(producer, PairArtifacts(meta, pt, "producer")))
+    state = producer.prefill(IDS[:-1])
+    with pytest.raises(InvalidPayload, match="layer 0"):
+        session.add_layer(0, wide.encode_layer(state, 0, 0))
+
+
+def test_calibration_lowers_the_rank_before_the_block_within_its_tolerance(tiny_pair, tmp_path):
+    _, _, cfg, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 19, block_layers=2,
+                                                      pre_block_ranks=[8], tolerance=100.0)
+    meta, pt = store.load(folder, "producer")
+    (a, _), = meta.patch_blocks
+    lowered = {l: 8 for l in range(a) if l not in meta.patch_layers}
+    assert meta.layer_ranks == lowered
+    assert lowered, f"the tiny pair's block starts at layer {a}: no layer before it to lower"
+    assert [pt[f"enc.kv.{l}"].shape[1] for l in range(meta.n_layers)] == \
+        [lowered.get(l, cfg.r_kv) for l in range(meta.n_layers)]
+    assert report["pre_block_rank"]["rank"] == 8 and report["ablation_pre_block_rank"][0]["rank"] == 8
+    # with no tolerance the full rank stays where the lower one loses anything
+    *_, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path / "strict", 19, block_layers=2,
+                                               pre_block_ranks=[1], tolerance=0.0)
+    low = report["ablation_pre_block_rank"][0]
+    assert (store.load_meta(folder).layer_ranks == {}) == (low["kl"] > report["selected_kl"])

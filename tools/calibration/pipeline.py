@@ -64,6 +64,15 @@ class CalibrationSettings(BaseModel):
     block_layers: int = Field(12, ge=0)
     """PATCH block length: the consumer may recompute this many consecutive layers from the
     producer's residual-stream state at the block's entry (0: no block, the paper's SCD)."""
+    block_exit_kv: Literal["auto", "on", "off"] = "auto"
+    """The layer after the PATCH block from the block's output state (no bytes, two projections):
+    ``auto`` keeps it when validation KL does not rise by more than ``tolerance``."""
+    pre_block_ranks: list[int] = [32, 64, 96, 128]
+    """Joint-code ranks tried on the REUSE layers before the PATCH block (where drift matters
+    little); the smallest whose validation KL is within ``tolerance`` of the full rank's is kept.
+    Empty: every layer at ``r_kv``."""
+    tolerance: float = Field(0.02, ge=0)
+    """Relative rise of validation KL accepted for fewer bytes (exit layer, pre-block ranks)."""
     patch_compute_cost: float = Field(0.25, ge=0)
     """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
     ablations: bool = True
@@ -94,6 +103,7 @@ class _Run:
         self.pcas = {l: pca(tr.h[l], cfg.r_h, cfg.center) for l in range(self.L)}
         self.reuse0 = reuse_tensors(self.maps0, cfg.reuse_code)
         self.chosen_block: tuple[int, int] | None = None
+        self.exit_kv = False
         self.aligners: dict[str, dict] = {}  # "linear" / "trained": (producer, consumer) PATCH tensors
 
     # -------------------------------------------------------------------------- fits
@@ -116,7 +126,8 @@ class _Run:
         return _codes((hp - mu_h.half().float()) @ wh.half().float(), self.cfg.code_bits), hc
 
     # -------------------------------------------------------------------------- candidates
-    def meta(self, patch_layers=(), block=None, code: str | None = None, ranks: dict | None = None) -> ArtifactMeta:
+    def meta(self, patch_layers=(), block=None, code: str | None = None, ranks: dict | None = None,
+             layer_ranks: dict[int, int] | None = None) -> ArtifactMeta:
         c = self.cfg
         code = code or c.reuse_code
         m = self.m  # the fits clip each rank to the width it codes; the meta says what was fit
@@ -127,6 +138,7 @@ class _Run:
             n_kv_heads=self.producer.n_kv_heads, head_dim=self.producer.head_dim,
             hidden_size=self.producer.hidden_size, r_h=c.r_h, reuse_code=code, code_bits=c.code_bits,
             center=c.center, patch_layers=sorted(patch_layers), patch_blocks=[block] if block else [],
+            block_exit_kv=bool(block) and self.exit_kv, layer_ranks=layer_ranks or {},
             aligner_hidden=c.aligner_hidden, **r)
 
     def reuse_all(self, i: int):
@@ -138,7 +150,7 @@ class _Run:
         return self.memo.get("reuse", i, compute)
 
     def kl(self, patch_layers=(), aligners: str = "trained", block=None, maps=None, code: str | None = None,
-           ranks: dict | None = None) -> float:
+           ranks: dict | None = None, layer_ranks: dict[int, int] | None = None) -> float:
         """Validation KL of SCD with these PATCH layers (and their ``aligners``), this block (default:
         the chosen one) and these REUSE maps (default: the calibrated ones)."""
         block = block or self.chosen_block
@@ -146,7 +158,7 @@ class _Run:
         if patch_layers:
             pp, pc = self.aligners[aligners]
             prod, cons = {**prod, **pp}, {**cons, **pc}
-        meta = self.meta(patch_layers, block, code, ranks)
+        meta = self.meta(patch_layers, block, code, ranks, layer_ranks)
         enc, dec = scd_sides(self.scorer, meta, prod, cons, self.memo, self.reuse_all if maps is None else None,
                              keep_blocks=[self.chosen_block] if self.chosen_block else [])
         return self.scorer.kl(enc, dec)
@@ -154,7 +166,7 @@ class _Run:
     def forget_blocks(self) -> None:
         """Drop the recomputed K/V of every block but the chosen one (which later stages reuse)."""
         keep = f"block-{self.chosen_block[0]}-{self.chosen_block[1]}" if self.chosen_block else None
-        self.memo.forget(lambda tag: tag.startswith("block-") and tag != keep)
+        self.memo.forget(lambda tag: tag.startswith("block-") and (keep is None or not tag.startswith(keep)))
 
     def cost(self, layers: list[int]) -> dict[int, float]:
         """Gain-per-cost denominators: a PATCH layer's wire bytes over the REUSE layer's it replaces,
@@ -227,7 +239,17 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     chosen_block = run.chosen_block
     report["patch_block"] = list(chosen_block) if chosen_block else None
     report["validation"]["block_kl"] = cur_kl if chosen_block else None
-    free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1])]
+    if chosen_block and chosen_block[1] < L and cfg.block_exit_kv != "off":
+        run.exit_kv = True
+        exit_kl = run.kl()
+        report["block_exit_kv"] = {"kl_without": cur_kl, "kl_with": exit_kl}
+        if cfg.block_exit_kv == "on" or exit_kl <= cur_kl * (1 + cfg.tolerance):
+            cur_kl = exit_kl
+        else:
+            run.exit_kv = False
+        report["block_exit_kv"]["kept"] = run.exit_kv
+        t = stage("block_exit", t)
+    free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1] + run.exit_kv)]
     linear = {}
     for l in free:
         u, hc = run.patch_codes(l)
@@ -254,11 +276,17 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     chosen = [p["layer"] for p in path[: cfg.budget_k]]
     t = stage("greedy", t)
 
+    sel_kl = path[len(chosen) - 1]["kl"] if chosen else cur_kl
+    layer_ranks, maps = _pre_block_ranks(run, report, chosen, sel_kl, progress)
+    if layer_ranks:
+        sel_kl = report["pre_block_rank"]["kl"]
+        t = stage("pre_block_ranks", t)
+
     if cfg.ablations:
         _ablations(run, report, path, chosen, cur_kl, progress)
         t = stage("ablations", t)
 
-    prod_t, cons_t = run.reuse0
+    prod_t, cons_t = run.reuse0 if maps is None else reuse_tensors(maps, cfg.reuse_code)
     pp, pc = patch_tensors(run.pcas, {l: aligners[l] for l in chosen})
     prod_t, cons_t = {**prod_t, **pp}, {**cons_t, **pc}
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
@@ -269,16 +297,46 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     longest = max(max(len(p) for p in prompts), max(len(ids) for ids, _ in val_prompts[: cfg.n_val]))
     report["memory_model_mb"] = estimate(n_params, L, m, producer.hidden_size, producer.config.vocab_size, longest,
                                          len(vps), cfg.val_tokens, cfg.aligner_rows)
-    report["selected_kl"] = path[len(chosen) - 1]["kl"] if chosen else cur_kl
+    report["selected_kl"] = sel_kl
     import transformers
 
-    meta = run.meta(chosen, chosen_block).model_copy(update={
+    meta = run.meta(chosen, chosen_block, layer_ranks=layer_ranks).model_copy(update={
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
         "report": report})
     folder = store.save(out, meta, prod_t, cons_t)
     return str(folder), report
+
+
+def _pre_block_ranks(run: _Run, report: dict, chosen: list[int], cur_kl: float,
+                     progress: bool) -> tuple[dict[int, int], list | None]:
+    """Lower the joint code's rank on the REUSE layers before the PATCH block: the smallest rank
+    of ``pre_block_ranks`` whose validation KL is within ``tolerance`` of the full rank's. Returns
+    the per-layer ranks and the REUSE maps to save (None: the calibrated ones)."""
+    cfg = run.cfg
+    if cfg.reuse_code != "joint" or not run.chosen_block or not cfg.pre_block_ranks:
+        return {}, None
+    a = run.chosen_block[0]
+    layers = [l for l in range(a) if l not in chosen]
+    tried = []
+    for r in tqdm(sorted(r for r in set(cfg.pre_block_ranks) if r < cfg.r_kv), desc="pre-block ranks",
+                  disable=not progress):
+        low = run.fit_joint(r)
+        maps = [low[l] if l in layers else run.maps0[l] for l in range(run.L)]
+        ranks = {l: min(r, 2 * run.m) for l in layers}
+        kl = run.kl(chosen, maps=maps, layer_ranks=ranks)
+        tried.append({"rank": r, "kl": kl, "maps": maps, "ranks": ranks})
+        if kl <= cur_kl * (1 + cfg.tolerance):
+            break
+    report["ablation_pre_block_rank"] = [{"rank": x["rank"], "kl": x["kl"]} for x in tried] + \
+        [{"rank": cfg.r_kv, "kl": cur_kl}]
+    ok = [x for x in tried if x["kl"] <= cur_kl * (1 + cfg.tolerance)]
+    if not ok:
+        return {}, None
+    best = min(ok, key=lambda x: x["rank"])
+    report["pre_block_rank"] = {"rank": best["rank"], "layers": layers, "kl": best["kl"]}
+    return best["ranks"], best["maps"]
 
 
 def _ablations(run: _Run, report: dict, path: list[dict], chosen: list[int], cur_kl: float, progress: bool) -> None:

@@ -45,10 +45,11 @@ class _MemoBlocks:
 
         def compute():
             first = super(_MemoBlocks, self).run_block(h, block)
-            return {a: first, **{l: self._block_kv[l] for l in range(a + 1, b)}}
+            return {a: first, **self._block_kv}  # the block's other layers (and its exit layer, if any)
 
-        kv = memo.get(f"block-{a}-{b}", method.scope, compute, keep=block in method.keep_blocks)
-        self._block_kv.update({l: kv[l] for l in range(a + 1, b)})
+        tag = f"block-{a}-{b}" + ("-exit" if b in getattr(method, "exit_layers", ()) else "")
+        kv = memo.get(tag, method.scope, compute, keep=block in method.keep_blocks)
+        self._block_kv.update({l: x for l, x in kv.items() if l != a})
         return kv[a]
 
 
@@ -73,7 +74,8 @@ class ScoredSCD(SCD):
         self.memo, self.reuse, self.keep_blocks, self.scope = memo, reuse, set(keep_blocks), 0
 
     def _memoized(self, layer: int) -> bool:
-        return self.reuse is not None and self.block_at(layer) is None and layer not in self.patch
+        return (self.reuse is not None and self.block_at(layer) is None and layer not in self.patch
+                and layer not in self.exit_layers)
 
     def encode_layer(self, state, layer, start):
         if self._memoized(layer):
