@@ -110,13 +110,20 @@ class DecodeSession(ABC):
             raise InvalidPayload(f"layer {layer} arrived out of order; expected layer {len(self._rotated)}")
         check_tensors(self.method.kind, layer, self.schema(layer), tensors)
         k, v = self.decode_layer(layer, tensors)
+        self._rotated.append(self._entry(layer, k, v))
+
+    def replace_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace an added layer's K/V (a method that refines earlier layers once later ones arrive)."""
+        self._rotated[layer] = self._entry(layer, k, v)
+
+    def _entry(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(layer, k, v)
         dev, dt = self.model.device, self.model.dtype
         k, v = k.to(dev, dt), v.to(dev, dt)
         if self.job.start:
             k = torch.cat([self.job.prefix_keys[layer].to(dev, dt), k], dim=2)
             v = torch.cat([self.job.prefix_values[layer].to(dev, dt), v], dim=2)
-        self._rotated.append((self.model.layer_cache_entry(k), v))
+        return self.model.layer_cache_entry(k), v
 
     def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         want = (1, self.model.n_kv_heads, self.job.n_transfer, self.model.head_dim)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
@@ -68,6 +68,54 @@ class SCDSession(BlockSession):
             s = self.job.start
             self._block_kv[b] = (k[:, :, s:], v[:, :, s:])
 
+    def decode_layer(self, layer, tensors):
+        block = self.method.block_at(layer)
+        if block is None or self.method.block_tokens >= 1:
+            return super().decode_layer(layer, tensors)
+        # a token-sparse block: every layer of it carries REUSE codes, kept until the block's last
+        # layer has arrived; then the selected positions are recomputed over the others' codes
+        a, b = block
+        if layer == a:
+            self._entry_h = self.entry_state(tensors, block)
+            self._codes = {}
+        kv = self.method._reuse(layer, tensors)
+        self._codes[layer] = kv
+        if layer < b - 1:
+            return kv
+        out = self.run_sparse_block(self._entry_h, block)
+        for l in range(a, b - 1):
+            self.replace_layer(l, *out[l])
+        self._codes = {}
+        return out[b - 1]
+
+    def run_sparse_block(self, h, block):
+        """The block recomputed for the selected positions only: those the prompt's last tokens
+        attend to most at the entry layer (and the last 16), over the others' REUSE K/V (the native
+        prefix's own K/V where the consumer has them)."""
+        a, b = block
+        m, job = self.model, self.job
+        n, s = job.n_tokens, job.start
+        if h.dim() != 2 or tuple(h.shape) != (n, m.hidden_size):
+            raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has shape {tuple(h.shape)}; "
+                                 f"expected {(n, m.hidden_size)}")
+        dev, dt = m.device, m.dtype
+        keys, values = [], []
+        for l in range(a, b):
+            k, v = (x.to(dev, dt) for x in self._codes[l])
+            if s:
+                k = torch.cat([job.prefix_keys[l].to(dev, dt), k], dim=2)
+                v = torch.cat([job.prefix_values[l].to(dev, dt), v], dim=2)
+            keys.append(k)
+            values.append(v)
+        h = h.to(dev, dt)
+        score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
+        score[n - min(16, n):] = float("inf")
+        score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
+        n_keep = min(n - s, max(1, round(self.method.block_tokens * (n - s))))
+        idx = torch.topk(score, n_keep).indices.sort().values
+        _, ks, vs = m.run_layers_sparse(h[idx].unsqueeze(0), idx, keys, values, a, b)
+        return {l: (ks[j][:, :, s:], vs[j][:, :, s:]) for j, l in enumerate(range(a, b))}
+
 
 class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_model=True, requires={"artifacts"}):
     class Config(MethodConfig):
@@ -78,6 +126,11 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         patch_blocks: Literal["auto", "none"] = "auto"
         """``auto``: the PATCH blocks calibration selected (the consumer recomputes them); ``none``:
         REUSE codes on those layers instead."""
+        block_tokens: float = Field(1.0, gt=0, le=1)
+        """Share of the prompt's positions the consumer recomputes in a PATCH block (CacheBlend-style
+        token-sparse recompute): the positions the prompt's last tokens attend to most, and the last
+        16. The others keep REUSE codes, which then cross for the block's layers too. 1 (default):
+        the whole block, nothing but its entry state crosses."""
 
         @field_validator("patch_layers", mode="before")
         @classmethod
@@ -97,8 +150,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         use_blocks = getattr(cfg, "patch_blocks", "none") == "auto"
         self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
         n_layers = ctx.model.n_layers
-        self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) if self.meta.block_exit_kv \
-            else frozenset()
+        self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
+        sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
+        self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) \
+            if self.meta.block_exit_kv and not sparse else frozenset()
         self.patch -= {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
         self._aligners: dict[int, Aligner] = {}
 
@@ -135,14 +190,20 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         a = self.art
         block = self.block_at(layer)
         if block is not None:  # the whole prompt's state at the entry: the recompute attends to every position
-            return self._code(state.residual[layer][0].float(), "r") if layer == block[0] else \
-                {"skip": torch.zeros(0, dtype=torch.uint8)}
+            entry = self._code(state.residual[layer][0].float(), "r") if layer == block[0] else {}
+            if self.block_tokens < 1:  # a sparse block: the positions not recomputed need their codes
+                return {**entry, **self._encode_reuse(state, layer, start)}
+            return entry or {"skip": torch.zeros(0, dtype=torch.uint8)}
         if layer in self.exit_layers:
             return {"skip": torch.zeros(0, dtype=torch.uint8)}
         if layer in self.patch:
             h = state.hidden[layer][0, start:].float()
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
             return self._code(u, "u")
+        return self._encode_reuse(state, layer, start)
+
+    def _encode_reuse(self, state, layer, start):
+        dev, a = state.keys[layer].device, self.art
         k, v = (to_rows(x[:, :, start:]).float() for x in (state.keys[layer], state.values[layer]))
         parts = (("kv", torch.cat([k, v], 1)),) if self.meta.reuse_code == "joint" else (("k", k), ("v", v))
         out = {}
@@ -159,12 +220,18 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def schema(self, layer, job):
         block, meta = self.block_at(layer), self.meta
         if block is not None:
-            return self._code_schema("r", job.n_tokens, self.ctx.model.hidden_size) if layer == block[0] else SKIP
+            entry = self._code_schema("r", job.n_tokens, self.ctx.model.hidden_size) if layer == block[0] else {}
+            if self.block_tokens < 1:
+                return {**entry, **self._reuse_schema(layer, job)}
+            return entry or SKIP
         if layer in self.exit_layers:
             return SKIP
-        n = job.n_transfer
         if layer in self.patch:
-            return self._code_schema("u", n, meta.r_h)
+            return self._code_schema("u", job.n_transfer, meta.r_h)
+        return self._reuse_schema(layer, job)
+
+    def _reuse_schema(self, layer, job):
+        meta, n = self.meta, job.n_transfer
         if meta.reuse_code == "joint":
             return self._code_schema("zkv", n, self.rank(layer))
         return {**self._code_schema("zk", n, meta.r_k), **self._code_schema("zv", n, meta.r_v)}

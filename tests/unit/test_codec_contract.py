@@ -440,3 +440,36 @@ def test_calibration_lowers_the_rank_before_the_block_within_its_tolerance(tiny_
                                                pre_block_ranks=[1], tolerance=0.0)
     low = report["ablation_pre_block_rank"][0]
     assert (store.load_meta(folder).layer_ranks == {}) == (low["kl"] > report["selected_kl"])
+
+
+def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp_path):
+    """``block_tokens`` < 1: every block layer carries REUSE codes as well, the consumer recomputes
+    the selected positions once the block's last layer is in; selecting every position is the full
+    block, selecting few keeps the REUSE K/V elsewhere."""
+    producer, consumer = tiny_pair
+    *_, folder, _ = _calibrate_tiny_joint(tiny_pair, tmp_path, 20, block_layers=2, block_exit_kv="off")
+    meta, pt = store.load(folder, "producer")
+    _, ct = store.load(folder, "consumer")
+    p, c = _variant(meta, pt, ct, patch_blocks=[(1, 3)], patch_layers=[])
+    pctx, cctx = CodecContext(producer, p), CodecContext(consumer, c)
+    full, full_bytes, _ = _transfer("scd", pctx, cctx)
+    n = len(IDS) - 1
+    every, every_bytes, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 1 - 0.1 / n})
+    assert {"r", "r_scale", "zkv", "zkv_scale"} == set(enc[1]) and {"zkv", "zkv_scale"} == set(enc[2])
+    assert every_bytes > full_bytes
+    for layer in (1, 2):
+        torch.testing.assert_close(every.layers[layer].values, full.layers[layer].values, atol=1e-5, rtol=1e-5)
+    few, _, _ = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2})
+    reuse, _, _ = _transfer("scd", pctx, cctx, params={"patch_blocks": "none"})
+    def same(x, y, layer):  # per position
+        return (x.layers[layer].values - y.layers[layer].values).abs().amax(dim=(0, 1, 3)) < 1e-5
+
+    # at the entry layer a recomputed position's K/V are the full block's (the same entry state)
+    recomputed = same(few, full, 1) & ~same(few, reuse, 1)
+    assert recomputed[-16:].all() and int(recomputed.sum()) == round(0.2 * n)  # the last 16 always
+    assert same(few, reuse, 1)[~recomputed].all()
+    # deeper, the recomputed positions have attended to the others' REUSE K/V: neither full nor REUSE
+    assert same(few, reuse, 2)[~recomputed].all() and not same(few, reuse, 2)[recomputed].any()
+    assert not same(few, full, 2)[recomputed].all()
+    with pytest.raises(Exception, match="block_tokens"):
+        make_method("scd", cctx, {"block_tokens": 0})

@@ -150,7 +150,7 @@ class _Run:
         return self.memo.get("reuse", i, compute)
 
     def kl(self, patch_layers=(), aligners: str = "trained", block=None, maps=None, code: str | None = None,
-           ranks: dict | None = None, layer_ranks: dict[int, int] | None = None) -> float:
+           ranks: dict | None = None, layer_ranks: dict[int, int] | None = None, block_tokens: float = 1.0) -> float:
         """Validation KL of SCD with these PATCH layers (and their ``aligners``), this block (default:
         the chosen one) and these REUSE maps (default: the calibrated ones)."""
         block = block or self.chosen_block
@@ -160,7 +160,7 @@ class _Run:
             prod, cons = {**prod, **pp}, {**cons, **pc}
         meta = self.meta(patch_layers, block, code, ranks, layer_ranks)
         enc, dec = scd_sides(self.scorer, meta, prod, cons, self.memo, self.reuse_all if maps is None else None,
-                             keep_blocks=[self.chosen_block] if self.chosen_block else [])
+                             keep_blocks=[self.chosen_block] if self.chosen_block else [], block_tokens=block_tokens)
         return self.scorer.kl(enc, dec)
 
     def forget_blocks(self) -> None:
@@ -361,6 +361,10 @@ def _ablations(run: _Run, report: dict, path: list[dict], chosen: list[int], cur
             kl = report["validation"]["block_kl"] if blk == run.chosen_block else run.kl(block=blk)
             report["ablation_block_length"].append({"layers": n, "block": list(blk), "kl": kl})
             run.forget_blocks()
+    if run.chosen_block:  # token-sparse recompute (CacheBlend-style): the share of positions recomputed
+        report["ablation_block_tokens"] = [{"share": 1.0, "kl": cur_kl}]
+        for share in tqdm((0.5, 0.35, 0.2, 0.1), desc="block tokens", disable=not progress):
+            report["ablation_block_tokens"].append({"share": share, "kl": run.kl(block_tokens=share)})
     report["ablation_joint_rank"] = []
     for r in sorted({128, 192, cfg.r_kv, 288, 2 * m}):
         r = min(r, 2 * m)

@@ -186,10 +186,11 @@ def linear_aligner(sol: torch.Tensor) -> Aligner:
 
 
 def scd_sides(scorer: Scorer, meta: ArtifactMeta, prod: dict, cons: dict, memo: KVMemo | None = None,
-              reuse: Callable[[int], Mapping] | None = None, keep_blocks=()) -> tuple[ScoredSCD, ScoredSCD]:
+              reuse: Callable[[int], Mapping] | None = None, keep_blocks=(),
+              block_tokens: float = 1.0) -> tuple[ScoredSCD, ScoredSCD]:
     """The producer and consumer sides of SCD with candidate artifacts (``meta`` says which layers
     are patched and which block is recomputed)."""
-    cfg = SCD.Config()
+    cfg = SCD.Config(block_tokens=block_tokens)
     p = ScoredSCD(cfg, CodecContext(scorer.producer, PairArtifacts(meta, prod, "producer")), memo, reuse, keep_blocks)
     c = ScoredSCD(cfg, CodecContext(scorer.consumer, PairArtifacts(meta, cons, "consumer")), memo, reuse, keep_blocks)
     return p, c

@@ -32,7 +32,8 @@ def bench_overlap(
 
 @app.command()
 def bench(
-    quick: bool = typer.Option(False, help="1 Gbit/s, one ~1,000-token prompt, methods oracle,raw,scd, 3 repeats."),
+    quick: bool = typer.Option(False, help="1 Gbit/s, one ~1,000-token prompt, methods oracle,raw,droidspeak,"
+                                           "scd-reuse,scd, 3 repeats."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full results here."),
     png_out: Optional[Path] = typer.Option(None, "--png", help="TTFT vs link rate plot (default: beside --json)."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: oracle,raw,quant,spectrum,"
@@ -73,7 +74,8 @@ def bench(
                       producer_model=producer_model, consumer_model=consumer_model, store=store, kl_json=kl_json,
                       device=device, dtype=dtype)
     if quick:
-        cfg.methods, cfg.bandwidths_mbit, cfg.tokens, cfg.repeats = ("oracle", "raw", "scd"), (1000.0,), (1000,), 3
+        cfg.methods, cfg.bandwidths_mbit, cfg.tokens, cfg.repeats = (
+            ("oracle", "raw", "droidspeak", "scd-reuse", "scd"), (1000.0,), (1000,), 3)
     if methods:
         cfg.methods = tuple(m for m in methods.split(",") if m)
     if bandwidths:

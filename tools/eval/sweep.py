@@ -32,6 +32,7 @@ def points(names: list[str], droidspeak_blocks: list[list[int]] | None, scd_patc
                 out.append((f"scd[k={k}]", "scd", {"patch_layers": spec}))
             if scd_patch_blocks:  # what the PATCH block earns: the same artifacts with REUSE there instead
                 out.append(("scd[no block]", "scd", {"patch_blocks": "none"}))
+                out += [(f"scd[block_tokens={x}]", "scd", {"block_tokens": str(x)}) for x in (0.1, 0.2, 0.35)]
         elif m == "scd-reuse":
             out.append(("scd-reuse", "scd-reuse", {}))
     return out
