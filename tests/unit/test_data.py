@@ -67,3 +67,25 @@ def test_operator_prompts_file(tmp_path, tokenizer):
     f.write_text('{"answer": "x"}\n')
     with pytest.raises(ValueError, match="prompt"):
         user.load(f, fmt)
+
+
+def test_heldout_domain_is_windows_of_license_text_never_in_the_splits(tmp_path, tokenizer):
+    from shared.model.prompt import PromptFormat
+
+    fmt = PromptFormat(tokenizer)
+    words = " ".join(f"clause {i} shall apply to the licensee" for i in range(900))
+    (tmp_path / "LICENSE-A").write_text(words)
+    (tmp_path / "LICENSE-B").write_text(words.upper())
+    got = data.heldout_items(fmt, root=tmp_path)
+    again = data.heldout_items(fmt, root=tmp_path)
+    assert [it.prompt_ids for it in got] == [it.prompt_ids for it in again] and len(got) >= 4
+    ids = {n: fmt._ids(p.read_text()) for n, p in (("LICENSE-A", tmp_path / "LICENSE-A"),
+                                                   ("LICENSE-B", tmp_path / "LICENSE-B"))}
+    for it in got:
+        name, pos = it.id.split("-", 1)[1].rsplit("-", 1)
+        n = len(it.prompt_ids)
+        assert data.MIN_TOKENS <= n <= 1200 and len(it.continuation_ids) == data.LM_CONTINUATION
+        assert ids[name][int(pos): int(pos) + n + data.LM_CONTINUATION] == it.prompt_ids + it.continuation_ids
+    assert len(data.heldout_items(fmt, 2, root=tmp_path)) == 2
+    with pytest.raises(FileNotFoundError, match="base-files"):
+        data.heldout_items(fmt, root=tmp_path / "none")

@@ -140,6 +140,35 @@ def _lm_items(tok, pool: list[dict], count: int, split: str) -> list[Item]:
     return items
 
 
+HELDOUT_DIR = Path("/usr/share/common-licenses")
+
+
+def heldout_items(fmt: PromptFormat, n: int | None = None, root: Path = HELDOUT_DIR) -> list[Item]:
+    """A text domain that neither the data splits nor calibration ever use: the software licenses
+    Debian ships in ``/usr/share/common-licenses`` (legal prose). Each license gives LM items
+    (raw text, no chat template) of 300 to 1,200 tokens and the next 64 held out; deterministic."""
+    files = sorted(p for p in root.glob("*") if p.is_file() and not p.is_symlink()) if root.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"the held-out text domain reads {root}, which has no license texts here "
+                                "(Debian's base-files package provides it)")
+    rng = random.Random(f"{SEED}-heldout")
+    items: list[Item] = []
+    for path in files:
+        ids = fmt._ids(path.read_text(encoding="utf-8", errors="replace"))
+        pos = 0
+        while n is None or len(items) < n:
+            target = rng.randint(MIN_TOKENS, 1200)
+            if pos + target + LM_CONTINUATION > len(ids):
+                break
+            window = ids[pos: pos + target]
+            cont = ids[pos + target: pos + target + LM_CONTINUATION]
+            items.append(Item(id=f"heldout-{path.name}-{pos}", kind="lm", prompt_ids=window, prefix_len=0,
+                              continuation_ids=cont, prompt=fmt.tok.decode(window),
+                              continuation=fmt.tok.decode(cont)))
+            pos += target + LM_CONTINUATION
+    return items[:n] if n is not None else items
+
+
 def build(tok, out: Path | None = None) -> dict:
     """Write ``{qa,lm}_{split}.jsonl`` and ``manifest.json``; returns the manifest. Deterministic."""
     out = out or data_dir()
