@@ -133,8 +133,14 @@ def evaluate(
             acc.reconstruct_ms.append(r.reconstruct_ms)
     oracle_ppl = accs["oracle"].summary(None)["ppl"] if "oracle" in accs else None
     depth = list(range(consumer.n_layers))
+    summaries = {name: acc.summary(oracle_ppl) for name, acc in accs.items()}
+    raw16 = consumer.n_layers * 2 * consumer.kv_dim * 2  # raw fp16 K/V bytes per token
+    prefill_ms = summaries["oracle"]["reconstruct_ms"] if "oracle" in summaries else None  # its own prefill
+    for m in summaries.values():
+        m["bytes_vs_raw_fp16"] = m["bytes_per_token"] / raw16
+        m["reconstruct_vs_prefill"] = m["reconstruct_ms"] / prefill_ms if prefill_ms else None
     return {
-        "methods": {name: acc.summary(oracle_ppl) for name, acc in accs.items()},
+        "methods": summaries,
         "layers": {"k_rel_err": k_err, "v_rel_err": v_err,
                    "k_growth_per_layer": _slope(depth, k_err), "v_growth_per_layer": _slope(depth, v_err)},
     }

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 COLUMNS = [("kl", "KL", "{:.4f}"), ("top1", "top1", "{:.3f}"), ("task_f1", "taskF1", "{:.3f}"),
            ("agree_f1", "agreeF1", "{:.3f}"), ("delta_ppl_pct", "dPPL%", "{:+.1f}"),
-           ("bytes_per_token", "B/tok", "{:.0f}"), ("encode_ms", "enc ms", "{:.1f}"),
-           ("reconstruct_ms", "rec ms", "{:.1f}"), ("n", "n", "{}")]
+           ("bytes_per_token", "B/tok", "{:.0f}"), ("bytes_vs_raw_fp16", "B/raw16", "{:.3f}"),
+           ("encode_ms", "enc ms", "{:.1f}"), ("reconstruct_ms", "rec ms", "{:.1f}"),
+           ("reconstruct_vs_prefill", "rec/pf", "{:.2f}"), ("n", "n", "{}")]
 
 
 def _fmt(fmt: str, v) -> str:
