@@ -104,10 +104,24 @@ class Prompts:
 
 
 # ---------------------------------------------------------------------------------------- requests
+def variant(label: str) -> tuple[str, dict[str, str]]:
+    """A benchmarked method: a kind (``scd``) or a kind with settings (``scd:block_tokens=0.5``,
+    several joined by ``;``), sent as the request's method parameters."""
+    kind, _, rest = label.partition(":")
+    params = {}
+    for part in (p for p in rest.split(";") if p):
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise BenchError(f"method variant {label!r}: settings are KEY=VALUE, e.g. scd:block_tokens=0.5")
+        params[key] = value
+    return kind, params
+
+
 def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix: bool, no_pipelining: bool) -> dict:
     from tools import client
 
-    req = client.request(ids, consumer, method, max_new_tokens=1, native_prefix=native_prefix)
+    kind, params = variant(method)
+    req = client.request(ids, consumer, kind, max_new_tokens=1, native_prefix=native_prefix, method_params=params)
     r = client.generate(address, req, timeout=600, metadata=client.BENCH_HOLD if no_pipelining else ())
     t = r.timings
     if t is None:
@@ -182,7 +196,8 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
     check_privileges()
     from shared.codecs import CODECS
 
-    unknown = [m for m in cfg.methods if m not in CODECS]
+    kinds = tuple(dict.fromkeys(variant(m)[0] for m in cfg.methods))
+    unknown = [k for k in kinds if k not in CODECS]
     if unknown:
         raise BenchError(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
     if not cfg.methods or not cfg.bandwidths_mbit or not cfg.tokens or cfg.repeats < 1:
@@ -190,7 +205,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
     pm, cm, adapter, tok, store = _models(cfg)
     prompts = Prompts(tok, _vocab(pm))
     name = cfg.pair
-    transfer = [m for m in cfg.methods if CODECS[m].transfers_layers]
+    transfer = [m for m in cfg.methods if CODECS[variant(m)[0]].transfers_layers]
     per_cell = {m: 1 + cfg.repeats if m not in transfer else
                 (2 + 3 * cfg.repeats if cfg.pipelining else 1 + 2 * cfg.repeats) for m in cfg.methods}
     total = len(cfg.bandwidths_mbit) * len(cfg.tokens) * sum(per_cell.values()) + len(cfg.methods)
@@ -199,7 +214,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory(prefix="scd-bench-") as logs, Testbed(cfg.bandwidths_mbit[0], cfg.delay_ms) as tb:
-        svc = Services(tb, ServiceSpec(name, pm, cm, store, tuple(cfg.methods), cfg.threads, consumer_adapter=adapter,
+        svc = Services(tb, ServiceSpec(name, pm, cm, store, kinds, cfg.threads, consumer_adapter=adapter,
                                        prefill_cache_entries=2 * len(cfg.methods) + 2, device=cfg.device,
                                        dtype=cfg.dtype), Path(logs))
         svc.start()

@@ -71,7 +71,7 @@ class CalibrationSettings(BaseModel):
     """Joint-code ranks tried on the REUSE layers before the PATCH block (where drift matters
     little); the smallest whose validation KL is within ``tolerance`` of the full rank's is kept.
     Empty: every layer at ``r_kv``."""
-    tolerance: float = Field(0.02, ge=0)
+    tolerance: float = Field(0.05, ge=0)
     """Relative rise of validation KL accepted for fewer bytes (exit layer, pre-block ranks)."""
     patch_compute_cost: float = Field(0.25, ge=0)
     """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""

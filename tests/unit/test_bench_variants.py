@@ -1,0 +1,18 @@
+"""Benchmarked method variants: a kind with settings, sent as the request's method parameters."""
+
+import pytest
+
+from tools.bench.netns import BenchError
+from tools.bench.runner import variant
+
+
+def test_a_plain_kind_and_a_kind_with_settings():
+    assert variant("scd") == ("scd", {})
+    assert variant("scd:block_tokens=0.5") == ("scd", {"block_tokens": "0.5"})
+    assert variant("droidspeak:blocks=13-25;x=1") == ("droidspeak", {"blocks": "13-25", "x": "1"})
+
+
+@pytest.mark.parametrize("bad", ["scd:block_tokens", "scd:=1"])
+def test_a_setting_without_key_or_value_is_refused_with_an_example(bad):
+    with pytest.raises(BenchError, match="KEY=VALUE"):
+        variant(bad)
