@@ -97,9 +97,10 @@ def eval_(
     native_prefix: str = typer.Option("on", help="on | off"),
     store_dir: Optional[Path] = typer.Option(None, "--store", help="Artifact store (default: the pair's store)."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
-    kind: str = typer.Option("qa", help="Built-in test data: qa (questions over Wikipedia passages), lm (Wikipedia "
-                                        "and Python docs, continuation scored) or heldout (license texts, a "
-                                        "domain calibration never sees)."),
+    data_kind: str = typer.Option("qa", "--kind", help="Built-in test data: qa (questions over Wikipedia "
+                                                       "passages), lm (Wikipedia and Python docs, continuation "
+                                                       "scored) or heldout (license texts, a domain calibration "
+                                                       "never sees)."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
     sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
@@ -117,8 +118,8 @@ def eval_(
     from tools.eval.harness import codec_method, evaluate
     from tools.eval.report import print_table
 
-    if kind not in ("qa", "lm", "heldout"):
-        raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {kind!r}")
+    if data_kind not in ("qa", "lm", "heldout"):
+        raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {data_kind!r}")
     names = [m for m in methods.split(",") if m]
     unknown = [m for m in names if m not in CODECS]
     if unknown:
@@ -167,7 +168,7 @@ def eval_(
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
     residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
-    if kind == "heldout" and not data_file:
+    if data_kind == "heldout" and not data_file:
         from tools import data
 
         try:
@@ -175,9 +176,9 @@ def eval_(
         except FileNotFoundError as e:
             fail(str(e))
     else:
-        its = items(pm, "test", n, data_file, kinds=(kind,))
+        its = items(pm, "test", n, data_file, kinds=(data_kind,))
     res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual)
-    res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=kind,
+    res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=data_kind,
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
