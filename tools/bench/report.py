@@ -21,7 +21,8 @@ def table(res: dict) -> str:
             f"{c['threads_per_service']} thread(s) per service, {c['device']}/{c['dtype']}")
     cols = ("link", "tokens", "method", "bytes", "floor ms", "warm ms", "p90", "/floor", "cold ms", "p90", "/floor",
             "no-pipe ms", "pipe gain", "goodput", "vs oracle")
-    w = (7, 7, 11, 10, 9, 9, 8, 7, 9, 8, 7, 11, 10, 9, 10)
+    mw = max([11] + [len(r["method"]) + 2 for r in res["rows"]])  # variants such as scd:block_tokens=0.5
+    w = (7, 7, mw, 10, 9, 9, 8, 7, 9, 8, 7, 11, 10, 9, 10)
     lines = [head, "".join(f"{h:>{n}}" for h, n in zip(cols, w))]
     for r in res["rows"]:
         vals = (f"{r['link_mbit']:g}M", str(r["prompt_tokens"]), r["method"], _bytes(r["bytes"]), _f(r["floor_ms"]),
