@@ -83,6 +83,20 @@ def test_sparse_run_recomputes_its_positions_exactly(adapter):
     assert torch.equal(keys[0][:, :, others], junk_k[0][:, :, others])  # the given K/V kept as given
 
 
+def test_attention_mass_is_what_the_tail_attends_to(adapter):
+    """Softmax rows: the mass sums to queries x heads; causal: a query never attends ahead, so the
+    last position gets attention only from the last query."""
+    state = adapter.prefill(IDS, residual_layers=[1])
+    h = state.residual[1]
+    n_heads = adapter.model.config.num_attention_heads
+    mass = adapter.attention_mass(1, h, 8)
+    assert mass.shape == (IDS.shape[1],) and bool((mass >= 0).all())
+    assert float(mass.sum()) == pytest.approx(8 * n_heads, rel=1e-4)
+    last_only = adapter.attention_mass(1, h, 1)
+    assert float(last_only.sum()) == pytest.approx(n_heads, rel=1e-4)
+    assert float(mass[-1]) == pytest.approx(float(last_only[-1]), rel=1e-4)
+
+
 def test_score_matches_full_forward(adapter):
     prompt, cont = IDS[0, :30].tolist(), IDS[0, 30:].tolist()
     state = adapter.prefill(prompt[:-1])
