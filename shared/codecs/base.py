@@ -118,12 +118,18 @@ class DecodeSession(ABC):
 
     def _entry(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(layer, k, v)
+        k, v = self.with_prefix(layer, k, v)
+        return self.model.layer_cache_entry(k), v
+
+    def with_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the transferred positions [start, n) preceded by the native prefix's own [0, start),
+        on the model's device and dtype."""
         dev, dt = self.model.device, self.model.dtype
         k, v = k.to(dev, dt), v.to(dev, dt)
         if self.job.start:
             k = torch.cat([self.job.prefix_keys[layer].to(dev, dt), k], dim=2)
             v = torch.cat([self.job.prefix_values[layer].to(dev, dt), v], dim=2)
-        return self.model.layer_cache_entry(k), v
+        return k, v
 
     def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         want = (1, self.model.n_kv_heads, self.job.n_transfer, self.model.head_dim)
@@ -168,6 +174,11 @@ def kv_spec(model: ModelAdapter, n: int, dtype: torch.dtype = torch.float16) -> 
 
 SKIP = {"skip": TensorSpec(torch.uint8, (0,))}
 """A layer inside a recompute block: nothing but a marker crosses."""
+
+
+def skip_tensors() -> dict[str, torch.Tensor]:
+    """What ``encode_layer`` sends for a layer whose schema is ``SKIP``."""
+    return {"skip": torch.zeros(0, dtype=torch.uint8)}
 
 
 class PerLayerSession(DecodeSession):

@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 
 from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
-from shared.codecs.base import SKIP, MethodConfig, TransferMethod, parse_int_list
+from shared.codecs.base import SKIP, MethodConfig, TransferMethod, parse_int_list, skip_tensors
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.codecs.selective_recompute import BlockSession, RecomputesBlocks
 from shared.domain import Schema, TensorSpec
@@ -93,21 +93,11 @@ class SCDSession(BlockSession):
         attend to most at the entry layer (and the last 16), over the others' REUSE K/V (the native
         prefix's own K/V where the consumer has them)."""
         a, b = block
-        m, job = self.model, self.job
-        n, s = job.n_tokens, job.start
-        if h.dim() != 2 or tuple(h.shape) != (n, m.hidden_size):
-            raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has shape {tuple(h.shape)}; "
-                                 f"expected {(n, m.hidden_size)}")
-        dev, dt = m.device, m.dtype
-        keys, values = [], []
-        for l in range(a, b):
-            k, v = (x.to(dev, dt) for x in self._codes[l])
-            if s:
-                k = torch.cat([job.prefix_keys[l].to(dev, dt), k], dim=2)
-                v = torch.cat([job.prefix_values[l].to(dev, dt), v], dim=2)
-            keys.append(k)
-            values.append(v)
-        h = h.to(dev, dt)
+        m = self.model
+        n, s = self.job.n_tokens, self.job.start
+        self.check_entry(h, block)
+        keys, values = zip(*(self.with_prefix(l, *self._codes[l]) for l in range(a, b)))
+        h = h.to(m.device, m.dtype)
         score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
         score[n - min(16, n):] = float("inf")
         score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
@@ -193,9 +183,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
             entry = self._code(state.residual[layer][0].float(), "r") if layer == block[0] else {}
             if self.block_tokens < 1:  # a sparse block: the positions not recomputed need their codes
                 return {**entry, **self._encode_reuse(state, layer, start)}
-            return entry or {"skip": torch.zeros(0, dtype=torch.uint8)}
+            return entry or skip_tensors()
         if layer in self.exit_layers:
-            return {"skip": torch.zeros(0, dtype=torch.uint8)}
+            return skip_tensors()
         if layer in self.patch:
             h = state.hidden[layer][0, start:].float()
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)

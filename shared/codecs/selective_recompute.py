@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from pydantic import field_validator
 
-from shared.codecs.base import SKIP, DecodeSession, MethodConfig, TransferMethod, kv_spec, parse_blocks
+from shared.codecs.base import SKIP, DecodeSession, MethodConfig, TransferMethod, kv_spec, parse_blocks, skip_tensors
 from shared.domain import TensorSpec
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 
@@ -76,16 +76,20 @@ class BlockSession(DecodeSession):
     def run_block(self, h: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Recompute ``block`` [a, b) from the entry state ``h`` [n_tokens, d]; the K/V of layer a."""
         a, b = block
-        want = (self.job.n_tokens, self.model.hidden_size)
-        if h.dim() != 2 or tuple(h.shape) != want:
-            raise InvalidPayload(f"{self.method.kind} block {a}-{b} entry state has shape {tuple(h.shape)}; "
-                                 f"expected {want}")
+        self.check_entry(h, block)
         out, ks, vs = self.model.run_layers(h.unsqueeze(0), a, b)
         s = self.job.start
         for i, layer_i in enumerate(range(a, b)):
             self._block_kv[layer_i] = (ks[i][:, :, s:], vs[i][:, :, s:])
         self.after_block(out, block)
         return self._block_kv.pop(a)
+
+    def check_entry(self, h: torch.Tensor, block: tuple[int, int]) -> None:
+        """The entry state must be [n_tokens, d] (``InvalidPayload`` otherwise)."""
+        want = (self.job.n_tokens, self.model.hidden_size)
+        if h.dim() != 2 or tuple(h.shape) != want:
+            raise InvalidPayload(f"{self.method.kind} block {block[0]}-{block[1]} entry state has shape "
+                                 f"{tuple(h.shape)}; expected {want}")
 
     def after_block(self, out: torch.Tensor, block: tuple[int, int]) -> None:
         """A hook with the block's output residual state [1, n_tokens, d]; nothing by default."""
@@ -138,7 +142,7 @@ class DroidSpeak(RecomputesBlocks, TransferMethod, kind="droidspeak", cross_mode
             return {"k": state.keys[layer][:, :, start:].half(), "v": state.values[layer][:, :, start:].half()}
         if layer == block[0]:  # the whole prompt: the consumer's recompute attends to every position
             return {"h": state.residual[layer][0].half()}
-        return {"skip": torch.zeros(0, dtype=torch.uint8)}
+        return skip_tensors()
 
     def schema(self, layer, job):
         m = self.ctx.model

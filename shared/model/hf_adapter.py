@@ -328,8 +328,9 @@ class ModelAdapter:
         dt = self.dtype
         keys_out = [k.to(self.device, dt).clone() for k in keys]
         values_out = [v.to(self.device, dt).clone() for v in values]
+        # values are written in place into what is returned; keys are rotated copies (pre-RoPE returned)
         scatter = _ScatterCache({first + i: self.apply_rope(k) for i, k in enumerate(keys_out)},
-                                {first + i: v.clone() for i, v in enumerate(values_out)}, pos[0])
+                                {first + i: v for i, v in enumerate(values_out)}, pos[0])
         pe = self.model.model.rotary_emb(x, position_ids=pos)
         kpos = torch.arange(t, device=self.device)
         allowed = kpos.view(1, -1) <= pos.view(-1, 1)  # [S, T] causal by position
@@ -346,7 +347,6 @@ class ModelAdapter:
                                    position_embeddings=pe, **{self._layer_cache_kw: scatter})
         for i in range(first, last):
             keys_out[i - first][:, :, pos[0]] = cap["k"][i].to(dt)
-            values_out[i - first][:, :, pos[0]] = cap["v"][i].to(dt)
         return x, keys_out, values_out
 
     def layer_type(self, layer: int) -> str:

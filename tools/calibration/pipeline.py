@@ -319,24 +319,21 @@ def _pre_block_ranks(run: _Run, report: dict, chosen: list[int], cur_kl: float,
         return {}, None
     a = run.chosen_block[0]
     layers = [l for l in range(a) if l not in chosen]
-    tried = []
+    bound = cur_kl * (1 + cfg.tolerance)
+    tried, kept = [], None
     for r in tqdm(sorted(r for r in set(cfg.pre_block_ranks) if r < cfg.r_kv), desc="pre-block ranks",
-                  disable=not progress):
+                  disable=not progress):  # smallest first: the first within the bound is kept
         low = run.fit_joint(r)
         maps = [low[l] if l in layers else run.maps0[l] for l in range(run.L)]
         ranks = {l: min(r, 2 * run.m) for l in layers}
         kl = run.kl(chosen, maps=maps, layer_ranks=ranks)
-        tried.append({"rank": r, "kl": kl, "maps": maps, "ranks": ranks})
-        if kl <= cur_kl * (1 + cfg.tolerance):
+        tried.append({"rank": r, "kl": kl})
+        if kl <= bound:
+            kept = (ranks, maps)
+            report["pre_block_rank"] = {"rank": r, "layers": layers, "kl": kl}
             break
-    report["ablation_pre_block_rank"] = [{"rank": x["rank"], "kl": x["kl"]} for x in tried] + \
-        [{"rank": cfg.r_kv, "kl": cur_kl}]
-    ok = [x for x in tried if x["kl"] <= cur_kl * (1 + cfg.tolerance)]
-    if not ok:
-        return {}, None
-    best = min(ok, key=lambda x: x["rank"])
-    report["pre_block_rank"] = {"rank": best["rank"], "layers": layers, "kl": best["kl"]}
-    return best["ranks"], best["maps"]
+    report["ablation_pre_block_rank"] = tried + [{"rank": cfg.r_kv, "kl": cur_kl}]
+    return kept if kept else ({}, None)
 
 
 def _ablations(run: _Run, report: dict, path: list[dict], chosen: list[int], cur_kl: float, progress: bool) -> None:

@@ -96,7 +96,8 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
         if data_file:
             return user.load(data_file, pm.fmt, split, n, max_tokens=getattr(pm.consumer.config,
                                                                               "max_position_embeddings", None))
-        out = [it for kind in kinds for it in data.load(kind, split, fmt=pm.fmt)]
+        out = [it for kind in kinds for it in (data.heldout_items(pm.fmt) if kind == "heldout"  # one split only
+                                                else data.load(kind, split, fmt=pm.fmt))]
         return out[:n] if n is not None else out
     except (user.DataFileError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
         fail(str(e))

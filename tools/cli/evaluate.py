@@ -168,15 +168,7 @@ def eval_(
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
     residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
-    if data_kind == "heldout" and not data_file:
-        from tools import data
-
-        try:
-            its = data.heldout_items(pm.fmt, n)
-        except FileNotFoundError as e:
-            fail(str(e))
-    else:
-        its = items(pm, "test", n, data_file, kinds=(data_kind,))
+    its = items(pm, "test", n, data_file, kinds=(data_kind,))
     res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual)
     res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=data_kind,
                data=str(data_file) if data_file else "built-in",
