@@ -39,6 +39,11 @@ class ArtifactMeta(BaseModel):
     block_exit_kv: bool = False
     """The K/V of the layer right after each PATCH block come from the block's output state with
     the consumer's own projections (nothing crosses for that layer)."""
+    fallback_layers: list[int] = []
+    """REUSE layers where the code hurt on validation: ``scd`` sends the producer's own K/V there
+    (int8 per token, ``quant``'s form) instead of the code, as raw transfer would."""
+    reuse_fallback_layers: list[int] = []
+    """The same for ``scd-reuse`` (REUSE at every layer, no PATCH), chosen separately."""
     aligner_hidden: int
     calibration: dict[str, Any] = {}
     """Data hash, prompt and token counts, settings."""

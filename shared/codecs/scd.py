@@ -121,6 +121,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         token-sparse recompute): the positions the prompt's last tokens attend to most, and the last
         16. The others keep REUSE codes, which then cross for the block's layers too. 1 (default):
         the whole block, nothing but its entry state crosses."""
+        fallback: Literal["auto", "none"] = "auto"
+        """``auto``: on the layers where calibration found the code worse than the producer's own
+        K/V, send those (int8 per token); ``none``: the code on every REUSE layer."""
 
         @field_validator("patch_layers", mode="before")
         @classmethod
@@ -145,6 +148,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) \
             if self.meta.block_exit_kv and not sparse else frozenset()
         self.patch -= {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
+        use_fallback = getattr(cfg, "fallback", "auto") == "auto"
+        self.fallback = (frozenset(self._fallback_layers()) - self.patch - self.exit_layers
+                         - {l for a, b in self.blocks for l in range(a, b)}) if use_fallback else frozenset()
         self._aligners: dict[int, Aligner] = {}
 
     def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
@@ -157,6 +163,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         if not want <= have:
             raise InvalidRequest(f"patch layers {sorted(want - have)} were not calibrated; available: {sorted(have)}")
         return want
+
+    def _fallback_layers(self) -> list[int]:
+        return self.meta.fallback_layers
 
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.patch))
@@ -195,6 +204,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def _encode_reuse(self, state, layer, start):
         dev, a = state.keys[layer].device, self.art
         k, v = (to_rows(x[:, :, start:]).float() for x in (state.keys[layer], state.values[layer]))
+        if layer in self.fallback:
+            return self._code(torch.cat([k, v], 1), "qkv")
         parts = (("kv", torch.cat([k, v], 1)),) if self.meta.reuse_code == "joint" else (("k", k), ("v", v))
         out = {}
         for kv, x in parts:
@@ -222,6 +233,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
 
     def _reuse_schema(self, layer, job):
         meta, n = self.meta, job.n_transfer
+        if layer in self.fallback:
+            return self._code_schema("qkv", n, 2 * self.ctx.model.kv_dim)
         if meta.reuse_code == "joint":
             return self._code_schema("zkv", n, self.rank(layer))
         return {**self._code_schema("zk", n, meta.r_k), **self._code_schema("zv", n, meta.r_v)}
@@ -240,6 +253,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def _reuse(self, layer, tensors):
         m = self.ctx.model
         dev, a = m.device, self.art
+        if layer in self.fallback:  # the producer's own K/V, as raw transfer sends them
+            x = self._uncode(tensors, "qkv", 2 * m.kv_dim).to(dev)
+            return tuple(from_rows(y, m.n_kv_heads, m.head_dim) for y in (x[:, : m.kv_dim], x[:, m.kv_dim:]))
         joint = self.meta.reuse_code == "joint"
         parts = (("kv", self.rank(layer)),) if joint else (("k", self.meta.r_k), ("v", self.meta.r_v))
         xs = []
@@ -272,6 +288,12 @@ class SCDReuse(SCD, kind="scd-reuse"):
 
     class Config(MethodConfig):
         kind: Literal["scd-reuse"] = "scd-reuse"
+        fallback: Literal["auto", "none"] = "auto"
+        """``auto``: the producer's own K/V on the layers where calibration found REUSE-only's code
+        worse; ``none``: the code on every layer."""
+
+    def _fallback_layers(self) -> list[int]:
+        return self.meta.reuse_fallback_layers
 
     def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
         return frozenset()

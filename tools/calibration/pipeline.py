@@ -71,8 +71,19 @@ class CalibrationSettings(BaseModel):
     """Joint-code ranks tried on the REUSE layers before the PATCH block (where drift matters
     little); the smallest whose validation KL is within ``tolerance`` of the full rank's is kept.
     Empty: every layer at ``r_kv``."""
+    block_min_layers: int = Field(8, ge=1)
+    """The PATCH block is shortened (two layers at a time, down to this length) while its validation
+    KL stays within ``tolerance`` of the ``block_layers``-long block's: less consumer compute."""
     tolerance: float = Field(0.05, ge=0)
-    """Relative rise of validation KL accepted for fewer bytes (exit layer, pre-block ranks)."""
+    """Relative rise of validation KL accepted for fewer bytes or less compute (exit layer, block
+    length, pre-block ranks)."""
+    fallback: bool = True
+    """Check each REUSE layer's code on validation: where the producer's own K/V (int8 per token,
+    as ``quant`` sends them) do better, the layer falls back to them (for ``scd`` and, chosen
+    separately, ``scd-reuse``), so neither is worse than raw transfer on the layers it codes."""
+    fallback_gain: float = Field(0.02, ge=0)
+    """A layer falls back only when that alone lowers validation KL by more than this share (the
+    fallback costs ~2-4x the code's bytes on that layer)."""
     patch_compute_cost: float = Field(0.25, ge=0)
     """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
     ablations: bool = True
@@ -127,7 +138,7 @@ class _Run:
 
     # -------------------------------------------------------------------------- candidates
     def meta(self, patch_layers=(), block=None, code: str | None = None, ranks: dict | None = None,
-             layer_ranks: dict[int, int] | None = None) -> ArtifactMeta:
+             layer_ranks: dict[int, int] | None = None, fallback=(), reuse_fallback=()) -> ArtifactMeta:
         c = self.cfg
         code = code or c.reuse_code
         m = self.m  # the fits clip each rank to the width it codes; the meta says what was fit
@@ -139,6 +150,7 @@ class _Run:
             hidden_size=self.producer.hidden_size, r_h=c.r_h, reuse_code=code, code_bits=c.code_bits,
             center=c.center, patch_layers=sorted(patch_layers), patch_blocks=[block] if block else [],
             block_exit_kv=bool(block) and self.exit_kv, layer_ranks=layer_ranks or {},
+            fallback_layers=sorted(fallback), reuse_fallback_layers=sorted(reuse_fallback),
             aligner_hidden=c.aligner_hidden, **r)
 
     def reuse_all(self, i: int):
@@ -150,15 +162,17 @@ class _Run:
         return self.memo.get("reuse", i, compute)
 
     def kl(self, patch_layers=(), aligners: str = "trained", block=None, maps=None, code: str | None = None,
-           ranks: dict | None = None, layer_ranks: dict[int, int] | None = None, block_tokens: float = 1.0) -> float:
+           ranks: dict | None = None, layer_ranks: dict[int, int] | None = None, block_tokens: float = 1.0,
+           fallback=(), no_block: bool = False) -> float:
         """Validation KL of SCD with these PATCH layers (and their ``aligners``), this block (default:
-        the chosen one) and these REUSE maps (default: the calibrated ones)."""
-        block = block or self.chosen_block
+        the chosen one; ``no_block``: none), these REUSE maps (default: the calibrated ones) and the
+        producer's own K/V on the ``fallback`` layers."""
+        block = None if no_block else block or self.chosen_block
         prod, cons = self.reuse0 if maps is None else reuse_tensors(maps, code or self.cfg.reuse_code)
         if patch_layers:
             pp, pc = self.aligners[aligners]
             prod, cons = {**prod, **pp}, {**cons, **pc}
-        meta = self.meta(patch_layers, block, code, ranks, layer_ranks)
+        meta = self.meta(patch_layers, block, code, ranks, layer_ranks, fallback)
         enc, dec = scd_sides(self.scorer, meta, prod, cons, self.memo, self.reuse_all if maps is None else None,
                              keep_blocks=[self.chosen_block] if self.chosen_block else [], block_tokens=block_tokens)
         return self.scorer.kl(enc, dec)
@@ -249,6 +263,10 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
             run.exit_kv = False
         report["block_exit_kv"]["kept"] = run.exit_kv
         t = stage("block_exit", t)
+    if chosen_block and cfg.block_min_layers < chosen_block[1] - chosen_block[0]:
+        chosen_block, cur_kl = _shorten_block(run, report, cur_kl, progress)
+        report["patch_block"] = list(chosen_block)
+        t = stage("block_length", t)
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1] + run.exit_kv)]
     linear = {}
     for l in free:
@@ -282,6 +300,15 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         sel_kl = report["pre_block_rank"]["kl"]
         t = stage("pre_block_ranks", t)
 
+    fallback, reuse_fallback = [], []
+    if cfg.fallback:
+        fallback, sel_kl = _fallback(run, report, "fallback", sel_kl, progress, patch_layers=chosen, maps=maps,
+                                     layer_ranks=layer_ranks)
+        reuse_kl = run.kl(maps=maps, layer_ranks=layer_ranks, no_block=True)
+        reuse_fallback, _ = _fallback(run, report, "reuse_fallback", reuse_kl, progress, maps=maps,
+                                      layer_ranks=layer_ranks, no_block=True)
+        t = stage("fallback", t)
+
     if cfg.ablations:
         _ablations(run, report, path, chosen, cur_kl, progress)
         t = stage("ablations", t)
@@ -300,13 +327,59 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     report["selected_kl"] = sel_kl
     import transformers
 
-    meta = run.meta(chosen, chosen_block, layer_ranks=layer_ranks).model_copy(update={
+    meta = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
+                    reuse_fallback=reuse_fallback).model_copy(update={
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
         "report": report})
     folder = store.save(out, meta, prod_t, cons_t)
     return str(folder), report
+
+
+def _shorten_block(run: _Run, report: dict, cur_kl: float, progress: bool) -> tuple[tuple[int, int], float]:
+    """Shorten the chosen PATCH block from its end, two layers at a time down to ``block_min_layers``,
+    while validation KL stays within ``tolerance`` of the full-length block's (with its exit layer
+    as decided). Returns the block kept and its KL."""
+    cfg = run.cfg
+    a, b = run.chosen_block
+    bound = cur_kl * (1 + cfg.tolerance)
+    tried, kept = [{"layers": b - a, "kl": cur_kl}], (run.chosen_block, cur_kl)
+    for n in tqdm(range(b - a - 2, cfg.block_min_layers - 1, -2), desc="block length", disable=not progress):
+        kl = run.kl(block=(a, a + n))
+        tried.append({"layers": n, "kl": kl})
+        if kl > bound:
+            break
+        kept = ((a, a + n), kl)
+    run.chosen_block = kept[0]
+    run.forget_blocks()
+    report["block_length"] = {"bound": bound, "tried": tried, "kept": kept[0][1] - kept[0][0]}
+    return kept
+
+
+def _fallback(run: _Run, report: dict, key: str, cur_kl: float, progress: bool, **kw) -> tuple[list[int], float]:
+    """The REUSE layers where the producer's own K/V beat the code on validation. Each layer alone
+    first (a layer qualifies when its gain exceeds ``fallback_gain`` of ``cur_kl``), then the
+    qualifying layers by gain, 1, 2, 4, ... of them and all: the set with the lowest KL is kept
+    (none, if no set beats ``cur_kl``). ``kw``: the configuration scored (patches, maps, block)."""
+    cfg = run.cfg
+    block = None if kw.get("no_block") else run.chosen_block
+    patched = set(kw.get("patch_layers", ()))
+    skip = set(range(*block)) | ({block[1]} if run.exit_kv else set()) if block else set()
+    layers = [l for l in range(run.L) if l not in skip and l not in patched]
+    gains = {l: cur_kl - run.kl(fallback=[l], **kw)
+             for l in tqdm(layers, desc=f"{key} per layer", disable=not progress)}
+    order = [l for l, g in sorted(gains.items(), key=lambda x: -x[1]) if g > cfg.fallback_gain * cur_kl]
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, len(order)) if 0 < n <= len(order)})
+    path, best = [], ([], cur_kl)
+    for n in sizes:
+        kl = cur_kl - gains[order[0]] if n == 1 else run.kl(fallback=order[:n], **kw)
+        path.append({"layers": sorted(order[:n]), "kl": kl})
+        if kl < best[1]:
+            best = (sorted(order[:n]), kl)
+    report[key] = {"kl_without": cur_kl, "gain": {str(l): g for l, g in gains.items()}, "path": path,
+                   "layers": best[0], "kl": best[1]}
+    return best
 
 
 def _pre_block_ranks(run: _Run, report: dict, chosen: list[int], cur_kl: float,
@@ -354,8 +427,8 @@ def _ablations(run: _Run, report: dict, path: list[dict], chosen: list[int], cur
         lengths = sorted(n for n in {2, 4, 6, 8, 10, 12, 14, 16, cfg.block_layers} if a + n <= L and n < L)
         report["ablation_block_length"] = []
         for n in tqdm(lengths, desc="block length", disable=not progress):
-            blk = (a, a + n)  # the chosen length was scored by the scan
-            kl = report["validation"]["block_kl"] if blk == run.chosen_block else run.kl(block=blk)
+            blk = (a, a + n)
+            kl = run.kl(block=blk)
             report["ablation_block_length"].append({"layers": n, "block": list(blk), "kl": kl})
             run.forget_blocks()
     if run.chosen_block:  # token-sparse recompute (CacheBlend-style): the share of positions recomputed

@@ -75,7 +75,7 @@ class ScoredSCD(SCD):
 
     def _memoized(self, layer: int) -> bool:
         return (self.reuse is not None and self.block_at(layer) is None and layer not in self.patch
-                and layer not in self.exit_layers)
+                and layer not in self.exit_layers and layer not in self.fallback)
 
     def encode_layer(self, state, layer, start):
         if self._memoized(layer):
@@ -86,7 +86,7 @@ class ScoredSCD(SCD):
         return {} if self._memoized(layer) else super().schema(layer, job)
 
     def _reuse(self, layer, tensors):
-        if self.reuse is None:
+        if not self._memoized(layer):
             return super()._reuse(layer, tensors)
         return self.reuse(self.scope)[layer]
 

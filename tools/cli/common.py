@@ -127,7 +127,14 @@ def calibration_prompts(pm: PairModels, data_file: Path | None) -> list[list[int
 
 
 def validation_prompts(pm: PairModels, data_file: Path | None, n: int | None = None) -> list[tuple[list[int], int]]:
-    return [(it.prompt_ids, it.prefix_len) for it in items(pm, "validation", n, data_file)]
+    """Validation prompts (what calibration selects on): the JSONL's validation split, or built-in QA
+    and LM interleaved, so a choice that helps one kind of text and hurts the other is seen."""
+    if data_file:
+        its = items(pm, "validation", n, data_file)
+    else:
+        qa, lm = items(pm, "validation", kinds=("qa",)), items(pm, "validation", kinds=("lm",))
+        its = ([x for pair_ in zip(qa, lm) for x in pair_] + qa[len(lm):])[:n]
+    return [(it.prompt_ids, it.prefix_len) for it in its]
 
 
 def parse_set(values: list[str]) -> dict:
