@@ -3,6 +3,7 @@ base model and encodes each layer for the wire. Domain types in and out; no prot
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -54,6 +55,8 @@ class StreamStats:
 
     prefill_ms: float = 0.0
     encode_ms: float = 0.0
+    prefill_shared: bool = False
+    """The prefill state came from the cache or from a concurrent request of the same prompt."""
 
 
 class ProducerEngine(Engine):
@@ -66,6 +69,7 @@ class ProducerEngine(Engine):
             name: self.load_context(ep.artifacts, "producer", producer_fp=self.fingerprint)
             for name, ep in settings.consumers.items()}
         self._prefills: OrderedDict[tuple, PrefillState] = OrderedDict()  # used on the worker thread only
+        self._inflight: dict[tuple, asyncio.Future] = {}  # prompt -> its prefill running now (event loop only)
         self.prefix_ids: list[int] = self.format.prefix_ids if self.format else []
         self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
 
@@ -138,25 +142,52 @@ class ProducerEngine(Engine):
             prefix_len=p.prefix_len, consumer=p.request.consumer, deadline_unix=deadline_unix)
 
     # ------------------------------------------------------------------ torch work (worker thread)
-    def prefill(self, p: Prepared) -> PrefillState | None:
-        """The base model's prefill of the prompt (all but its last token). With
-        ``prefill_cache_entries`` > 0 the most recent states are kept, keyed by the token ids and the
-        layers the method captures: a prompt prefilled once is served again without a prefill (the
-        shared-prefill, specialized-decode pattern). Encoders only read the state."""
+    def prefill(self, p: Prepared) -> tuple[PrefillState | None, bool]:
+        """The base model's prefill of the prompt (all but its last token), keyed by the token ids
+        alone: with ``prefill_cache_entries`` > 0 the most recent states are kept, and a state that
+        lacks a layer the method captures is redone with both sets (so one state serves every
+        consumer and method: the shared-prefill, specialized-decode pattern). Encoders only read it.
+        Returns (state, whether it came from the cache)."""
         if not p.method.transfers_layers:
-            return None
-        hidden, residual = tuple(p.method.hidden_layers()), tuple(p.method.residual_layers())
-        key = (tuple(p.prompt_ids[:-1]), hidden, residual)
+            return None, False
+        key = tuple(p.prompt_ids[:-1])
+        hidden, residual = set(p.method.hidden_layers()), set(p.method.residual_layers())
         cache, size = self._prefills, self.settings.prefill_cache_entries
-        if size and key in cache:
+        old = cache.get(key)
+        if old is not None and hidden <= old.hidden.keys() and residual <= old.residual.keys():
             cache.move_to_end(key)
-            return cache[key]
-        state = self.adapter.prefill(p.prompt_ids[:-1], hidden_layers=hidden, residual_layers=residual)
+            return old, True
+        if old is not None:
+            hidden, residual = hidden | old.hidden.keys(), residual | old.residual.keys()
+        state = self.adapter.prefill(key, hidden_layers=sorted(hidden), residual_layers=sorted(residual))
         if size:
             cache[key] = state
+            cache.move_to_end(key)
             while len(cache) > size:
                 cache.popitem(last=False)
-        return state
+        return state, False
+
+    async def shared_prefill(self, p: Prepared) -> tuple[PrefillState | None, bool]:
+        """``prefill``, once for concurrent requests of the same prompt: a request that arrives while
+        the same prompt is being prefilled (another consumer of a fan-out, say) waits for that
+        prefill instead of running its own, whatever ``prefill_cache_entries`` says. Returns (state,
+        whether it was shared: cached or another request's)."""
+        if not p.method.transfers_layers:
+            return None, False
+        key = tuple(p.prompt_ids[:-1])
+        need = (set(p.method.hidden_layers()), set(p.method.residual_layers()))
+        running = self._inflight.get(key)
+        if running is not None:
+            state, _ = await asyncio.shield(running)
+            if need[0] <= state.hidden.keys() and need[1] <= state.residual.keys():
+                return state, True
+        fut = asyncio.ensure_future(self.run(self.prefill, p))
+        self._inflight[key] = fut
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
 
     @staticmethod
     def encode_layer(p: Prepared, state: PrefillState, layer: int) -> tuple[dict, float]:
@@ -169,7 +200,7 @@ class ProducerEngine(Engine):
         """Prefill, then each layer as soon as it is encoded (so the wire carries layer l while l+1
         encodes). ``hold`` (benchmarks only) encodes every layer before yielding any."""
         t = time.perf_counter()
-        state = await self.run(self.prefill, p)
+        state, stats.prefill_shared = await self.shared_prefill(p)
         stats.prefill_ms = (time.perf_counter() - t) * 1e3
         if not p.method.transfers_layers:
             return

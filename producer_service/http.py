@@ -8,6 +8,7 @@ cancels the consumer's call and frees the request on both sides."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer_service.servicer import ProducerServicer
 from shared.domain import GenerateRequest, SamplingRequest, TokenEvent
-from shared.errors import InvalidRequest, SCDError
+from shared.errors import InvalidRequest, NotFound, SCDError
 from shared.rpc.errors import status_for
 from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
 
@@ -297,9 +298,118 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def fan_out(body: _Body, names: list[str], ids: list[list[int]], chat: bool):
+        """One prompt to several consumers (``model: "a,b"``): the requests run concurrently and the
+        producer shares one base prefill between them. Choice ``i`` is consumer ``names[i]`` (its
+        name in the choice's ``model``); a consumer that fails gets ``finish_reason: "error"`` and
+        an OpenAI-style ``error`` in its choice, the others still answer."""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, name: str):
+            req = _request(body.model_copy(update={"model": name}), ids[i])
+            try:
+                async with contextlib.aclosing(servicer.generate(req, None)) as events:
+                    async for ev in events:
+                        await queue.put((i, ev, None))
+            except Exception as e:  # noqa: BLE001 - mapped like the gRPC side, per consumer
+                await queue.put((i, None, status_for(e)))
+            await queue.put((i, None, "done"))
+
+        def piece(i: int, text: str, finish: str | None, err: tuple | None = None) -> dict:
+            c: dict = {"index": i, "model": names[i], "finish_reason": finish or None, "logprobs": None}
+            if chat:
+                c["delta"] = {"content": text}
+            else:
+                c["text"] = text
+            if err is not None:
+                c["error"] = error_body(*err)["error"]
+            return c
+
+        async def events():
+            tasks = [asyncio.create_task(one(i, n)) for i, n in enumerate(names)]
+            try:
+                left = len(names)
+                while left:
+                    i, ev, err = await queue.get()
+                    if err == "done":
+                        left -= 1
+                    else:
+                        yield i, ev, err
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        def timings(ev: TokenEvent) -> dict:
+            t = ev.timings
+            assert t is not None
+            return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
+                    "prefill_ms": t.prefill_ms, "fallback_recompute": t.fallback_recompute,
+                    "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens}
+
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.stream:
+            texts, finish = [""] * len(names), ["stop"] * len(names)
+            errs: list[tuple | None] = [None] * len(names)
+            tims: list[dict | None] = [None] * len(names)
+            async with contextlib.aclosing(events()) as evs:
+                async for i, ev, err in evs:
+                    if err is not None:
+                        errs[i], finish[i] = err, "error"
+                        continue
+                    texts[i] += ev.text
+                    finish[i] = ev.finish_reason or finish[i]
+                    if ev.timings is not None:
+                        tims[i] = timings(ev)
+            if all(e is not None for e in errs):  # nobody answered: the first consumer's error, as one request's
+                e0 = errs[0]
+                assert e0 is not None
+                return error_response(*e0)
+            choices = []
+            for i in range(len(names)):
+                c = piece(i, texts[i], finish[i], errs[i])
+                if chat:
+                    c["message"] = {"role": "assistant", "content": c.pop("delta")["content"]}
+                c["scd_timings"] = tims[i]
+                choices.append(c)
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": body.model,
+                                 "choices": choices})
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def stream():
+            head = {"id": rid, "object": chunk_obj, "created": created, "model": body.model}
+            async with contextlib.aclosing(events()) as evs:
+                if chat:
+                    for i in range(len(names)):
+                        c = piece(i, "", None)
+                        c["delta"]["role"] = "assistant"
+                        yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+                async for i, ev, err in evs:
+                    c = piece(i, "", "error", err) if err is not None else piece(i, ev.text, ev.finish_reason)
+                    if ev is not None and ev.timings is not None:
+                        c["scd_timings"] = timings(ev)
+                    yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def handle(body, encode, chat: bool):
-        """The prompt encoded with the consumer's format (errors as OpenAI-style 4xx), then the run."""
+        """The prompt encoded with the consumer's format (errors as OpenAI-style 4xx), then the run;
+        ``model: "a,b"`` fans it out to several consumers."""
+        names = [n.strip() for n in body.model.split(",")]
         try:
+            if len(names) > 1:
+                if len(set(names)) != len(names) or not all(names):
+                    raise InvalidRequest(f"model {body.model!r}: name each consumer once, separated by commas")
+                unknown = [n for n in names if n not in s.consumers]
+                if unknown:
+                    raise NotFound(f"unknown consumer(s) {unknown}; this producer knows {sorted(s.consumers)}")
+                return await fan_out(body, names, [encode(eng.prompt_format(n), body, s.max_prompt_chars)
+                                                   for n in names], chat)
             ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return error_response(*status_for(e))

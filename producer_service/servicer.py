@@ -165,6 +165,7 @@ class ProducerServicer(pbg.ProducerServicer):
                 if ttft is None:
                     ttft = (time.perf_counter() - t0) * 1e3
                     m.ttft.labels(kind).observe(ttft / 1e3)
+                    m.consumer_ttft.labels(request.consumer).observe(ttft / 1e3)
                 if ev.timings is not None:
                     t = ev.timings
                     t.ttft_ms, t.prefill_ms, t.encode_ms = ttft, stats.prefill_ms, stats.encode_ms
@@ -180,4 +181,8 @@ class ProducerServicer(pbg.ProducerServicer):
             call.cancel()
             m.frames.labels(kind).inc(1 + totals.n_chunks + sent["trailer"])  # header, chunks, trailer
             m.wire_bytes.labels(kind).inc(totals.wire_bytes)
+            m.consumer_bytes.labels(request.consumer).inc(totals.wire_bytes)
+            m.by_consumer.labels(request.consumer, kind).inc()
+            if p.method.transfers_layers and stats.prefill_ms:
+                m.prefills.labels("shared" if stats.prefill_shared else "run").inc()
             m.encode.labels(kind).observe(stats.encode_ms / 1e3)

@@ -43,6 +43,16 @@ class Metrics:
         self.auth_failures = Counter(p + "auth_failures", "Requests refused for a missing or wrong bearer token",
                                      ["transport"], registry=r)
 
+        self.prefills = Counter(p + "prefills", "Base-model prefills of requests: run for the request, or shared "
+                                "(cached, or another request's prefill of the same prompt; producer)", ["source"],
+                                registry=r)
+        self.by_consumer = Counter(p + "consumer_requests", "Requests by consumer and transfer method (producer: "
+                                   "where it sent them)", ["consumer", "method"], registry=r)
+        self.consumer_bytes = Counter(p + "consumer_wire_bytes", "KV frame bytes by consumer (producer)",
+                                      ["consumer"], registry=r)
+        self.consumer_ttft = Histogram(p + "consumer_ttft_seconds", "Request received -> first token, by consumer "
+                                       "(producer)", ["consumer"], buckets=_SECONDS, registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -183,7 +183,8 @@ def serve_producer(
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text (wrapped in the consumer's chat template)."),
     producer: str = typer.Option("127.0.0.1:50051", help="HOST:PORT of the producer."),
-    consumer: str = typer.Option("strong", "--consumer", "--pair", help="Consumer (pair) name."),
+    consumer: str = typer.Option("strong", "--consumer", "--pair", help="Consumer (pair) name; several, comma-"
+                                 "separated (a,b), fan the prompt out: one base prefill, each its own answer."),
     method: str = typer.Option("", help="Transfer method (default: the producer's)."),
     param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
     max_new_tokens: int = typer.Option(64),
@@ -196,25 +197,52 @@ def generate(
     token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
     tls_ca: Optional[Path] = typer.Option(None, help="PEM CA to verify a TLS producer."),
 ) -> None:
-    """Send a prompt to the producer and print the consumer's tokens as they stream."""
+    """Send a prompt to the producer and print the consumer's tokens as they stream (with several
+    consumers, each one's answer once it is complete)."""
     import grpc
 
     from tools import client
 
+    names = [c.strip() for c in consumer.split(",") if c.strip()]
+    if not names or len(set(names)) != len(names):
+        raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}")
     params = dict(p.split("=", 1) for p in param if "=" in p)
-    req = client.request(prompt, consumer, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
-                         native_prefix, params)
-    try:
-        res = client.generate(producer, req, timeout, on_event=lambda ev: print(ev.text, end="", flush=True),
-                              token=token, root_certificates=tls_ca.read_bytes() if tls_ca else None)
-    except grpc.RpcError as e:
-        typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
-        raise typer.Exit(1) from None
-    t = res.timings
-    print()
-    typer.echo(f"[{t.method}] TTFT {t.ttft_ms:.0f} ms | {t.wire_bytes:,} bytes on the wire | "
-               f"prefill {t.prefill_ms:.0f} ms, encode {t.encode_ms:.0f} ms, reconstruct {t.reconstruct_ms:.0f} ms | "
-               f"{t.completion_tokens} tokens at {t.decode_tokens_per_s:.1f} tok/s | finish {res.finish_reason}")
+
+    def one(name: str, stream_out: bool):
+        req = client.request(prompt, name, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
+                             native_prefix, params)
+        show = (lambda ev: print(ev.text, end="", flush=True)) if stream_out else None
+        try:
+            return client.generate(producer, req, timeout, on_event=show, token=token,
+                                   root_certificates=tls_ca.read_bytes() if tls_ca else None)
+        except grpc.RpcError as e:
+            return e
+
+    if len(names) == 1:
+        results = {names[0]: one(names[0], True)}
+    else:  # concurrently: the producer shares one prefill between them
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            results = dict(zip(names, pool.map(lambda n: one(n, False), names)))
+    failed = False
+    for name, res in results.items():
+        if len(names) > 1:
+            typer.echo(f"--- {name}")
+            if not isinstance(res, grpc.RpcError):
+                print(res.text, end="")
+        if isinstance(res, grpc.RpcError):
+            typer.echo(f"\nerror: {res.code().name}: {res.details()}", err=True)
+            failed = True
+            continue
+        t = res.timings
+        print()
+        typer.echo(f"[{t.method}] TTFT {t.ttft_ms:.0f} ms | {t.wire_bytes:,} bytes on the wire | "
+                   f"prefill {t.prefill_ms:.0f} ms, encode {t.encode_ms:.0f} ms, reconstruct {t.reconstruct_ms:.0f} "
+                   f"ms | {t.completion_tokens} tokens at {t.decode_tokens_per_s:.1f} tok/s | finish "
+                   f"{res.finish_reason}")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()
