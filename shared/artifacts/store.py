@@ -30,6 +30,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _umask_mode(path: Path) -> None:
+    """Give a written file or folder the mode a plain ``open``/``mkdir`` would (temporary files and
+    folders are private, 0600/0700): services running as another user (a container's non-root
+    user, say) must be able to read a store that ``scd calibrate`` wrote."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def save(store: str | Path, meta: ArtifactMeta, producer: dict[str, torch.Tensor],
          consumer: dict[str, torch.Tensor]) -> Path:
     """Write one pair's artifacts atomically; returns the pair's folder."""
@@ -45,6 +54,8 @@ def save(store: str | Path, meta: ArtifactMeta, producer: dict[str, torch.Tensor
             files[name] = _sha256(tmp / name)
         meta = meta.model_copy(update={"files": files})
         (tmp / "meta.json").write_text(meta.model_dump_json(indent=2) + "\n")
+        for path in (tmp, *tmp.iterdir()):
+            _umask_mode(path)
         old = None
         if final.exists():
             old = store / f".{meta.pair}.old"
@@ -109,10 +120,12 @@ def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, pro
         os.close(fd)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_t)
         body["tensors_sha256"] = _sha256(Path(tmp_t))
+        _umask_mode(Path(tmp_t))
         os.replace(tmp_t, store_dir / f"{pair}.{kind}.safetensors")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=store_dir)
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(body, indent=2) + "\n")
+    _umask_mode(Path(tmp))
     os.replace(tmp, path)
     return path
 

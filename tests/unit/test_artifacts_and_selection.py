@@ -41,6 +41,23 @@ def test_rewrite_is_atomic_and_leaves_no_temp(tmp_path):
     assert json.loads((tmp_path / "p" / "meta.json").read_text())["r_k"] == 3
 
 
+def test_written_artifacts_are_readable_by_other_users(tmp_path):
+    """Temporary files are private (0600); what the store publishes has the umask's mode, so a
+    service running as another user can read it."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        folder = store.save(tmp_path, _meta(), {"a": torch.ones(1)}, {"b": torch.ones(1)})
+        store.save_profile(tmp_path, "p", "ridge", {"top_k": 1}, "pf", "cf", tensors={"w": torch.ones(1)})
+    finally:
+        os.umask(old)
+    paths = [folder, *folder.iterdir(), tmp_path / "p.ridge.json", tmp_path / "p.ridge.safetensors"]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in paths} == \
+        {p.name: 0o755 if p.is_dir() else 0o644 for p in paths}
+
+
 def test_greedy_respects_budget_and_stops_without_gain():
     gains = {0: 0.1, 1: 0.5, 2: 0.0, 3: 0.2}
     f = lambda s: 1.0 - sum(gains[l] for l in s)  # noqa: E731
