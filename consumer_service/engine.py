@@ -67,7 +67,11 @@ class TransferRecord:
     fallback: str = ""
     schema: Callable[[int], Schema] | None = None
     bytes_in: int = 0
-    waited_s: float = 0.0  # time spent waiting for frames (not reconstructing)
+    waited_s: float = 0.0  # time spent waiting for frames (not reconstructing), since data_from
+    data_from: float | None = None
+    """When the first frame after the header arrived (``time.perf_counter``). The producer sends its
+    header before it prefills; the wait for its prefill is bounded by the frame lease, not by the
+    minimum progress rate, which counts from here."""
 
 
 class ConsumerEngine(Engine):
@@ -215,8 +219,8 @@ class ConsumerEngine(Engine):
     def _progress_left(self, record: TransferRecord) -> float:
         """Seconds of waiting the stream may still use at the minimum progress rate."""
         s = self.settings
-        if not s.min_progress_bytes_per_s:
-            return float("inf")
+        if not s.min_progress_bytes_per_s or record.data_from is None:
+            return float("inf")  # before the first frame after the header: the frame lease bounds the wait
         return s.progress_grace_s + record.bytes_in / s.min_progress_bytes_per_s - record.waited_s
 
     async def _next(self, events: AsyncIterator[StreamEvent], deadline: float,
@@ -230,21 +234,31 @@ class ConsumerEngine(Engine):
         if progress <= 0:
             raise TimeoutError(self._slow(record))
         t0 = time.perf_counter()
+
+        def account() -> None:  # the wait since the stream's data began counts against the progress rate
+            if record is not None and record.data_from is not None:
+                now = time.perf_counter()
+                record.waited_s += max(0.0, now - max(t0, record.data_from))
+
         try:
-            return await asyncio.wait_for(anext(events), min(lease, left, progress))
+            ev = await asyncio.wait_for(anext(events), min(lease, left, progress))
         except StopAsyncIteration:
+            account()
             raise InvalidPayload("the stream ended before its trailer; frames were lost") from None
         except asyncio.TimeoutError:
+            account()
             if left <= min(lease, progress):
                 raise TimeoutError("the request's deadline passed while waiting for frames; request aborted and "
                                    "its memory freed") from None
-            if progress < lease:
+            if record is not None and self._progress_left(record) <= 0:
                 raise TimeoutError(self._slow(record)) from None
             raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
                                ) from None
-        finally:
-            if record is not None:
-                record.waited_s += time.perf_counter() - t0
+        except BaseException:
+            account()
+            raise
+        account()
+        return ev
 
     def _slow(self, record) -> str:
         return (f"the stream delivered {record.bytes_in:,} bytes in {record.waited_s:.1f} s of waiting, under "

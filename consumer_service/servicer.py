@@ -40,6 +40,8 @@ class ConsumerServicer(pbg.ConsumerServicer):
                 if isinstance(ev, HeaderReceived):
                     record.method = ev.header.method if ev.header.method in CODECS else "unknown"
                 size = frame.ByteSize()
+                if record.data_from is None and not isinstance(ev, HeaderReceived) and frame.HasField("chunk"):
+                    record.data_from = time.perf_counter()  # the stream's data begins (the producer has prefilled)
                 record.bytes_in += size
                 m.frames.labels(record.method).inc()
                 m.wire_bytes.labels(record.method).inc(size)

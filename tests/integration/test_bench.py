@@ -56,7 +56,30 @@ def test_prefill_cache_serves_a_repeated_prompt_identically(services):
     for p in others:
         _gen(services, prompt=p, n=1)
     assert len(eng._prefills) == 2  # bounded: least recently used evicted
-    assert (tuple(PROMPT[:-1]), (), ()) not in eng._prefills
+    assert tuple(PROMPT[:-1]) not in eng._prefills
+
+
+def test_prefill_cache_keeps_one_state_per_prompt_with_every_captured_layer(services):
+    """Keyed by the prompt alone: a method that needs a layer the cached state lacks redoes the
+    prefill capturing both sets, and later requests of either kind hit it."""
+    from types import SimpleNamespace
+
+    from producer_service.engine import Prepared
+
+    eng = services.producer_engine
+    eng._prefills.clear()
+
+    def prepared(hidden=(), residual=()):
+        m = SimpleNamespace(transfers_layers=True, hidden_layers=lambda: hidden, residual_layers=lambda: residual)
+        return Prepared(None, PROMPT, 0, m, "")
+
+    s1, hit1 = eng.prefill(prepared(hidden=(1,)))
+    s2, hit2 = eng.prefill(prepared(residual=(2,)))
+    s3, hit3 = eng.prefill(prepared(hidden=(1,), residual=(2,)))
+    assert (hit1, hit2, hit3) == (False, False, True) and s3 is s2 and s1 is not s2
+    assert set(s2.hidden) == {1} and set(s2.residual) == {2}
+    assert torch.equal(s2.hidden[1], s1.hidden[1])
+    assert list(eng._prefills) == [tuple(PROMPT[:-1])]
 
 
 def test_prefill_cache_off_by_default():

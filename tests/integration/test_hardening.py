@@ -301,6 +301,24 @@ def test_a_trickling_stream_loses_its_slot_long_before_the_deadline(svc):
     wait_for(lambda: idle(svc, "trickle"), what="the slot to be freed")
 
 
+def test_a_long_prefill_before_the_first_frame_is_not_taken_for_trickling(svc):
+    """The producer sends its header, then prefills (seconds for a long prompt on a CPU): that wait is
+    bounded by the frame lease, not by the minimum progress rate, which starts with the data."""
+    frames = make_frames(svc, "trickle", max_new=2)
+
+    def prefill_then_stream():
+        import time
+
+        yield frames[0]
+        time.sleep(1.5)  # 3x the grace: the old watchdog aborted here with "0.0 s of waiting"
+        yield from frames[1:]
+
+    with grpc.insecure_channel(svc.consumer_addresses["trickle"]) as ch:
+        events = list(pbg.ConsumerStub(ch).Transfer(prefill_then_stream(), timeout=60, metadata=MD))
+    assert events and events[-1].finish_reason and not any(e.HasField("error") for e in events)
+    wait_for(lambda: idle(svc, "trickle"), what="the slot to be freed")
+
+
 # ---------------------------------------------------------------------------- 11. the real status reaches the client
 def test_an_aio_sender_still_writing_learns_the_real_status_in_band(svc):
     """A grpc.aio sender that keeps writing after the consumer has failed the stream may see only

@@ -266,6 +266,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     if chosen_block and cfg.block_min_layers < chosen_block[1] - chosen_block[0]:
         chosen_block, cur_kl = _shorten_block(run, report, cur_kl, progress)
         report["patch_block"] = list(chosen_block)
+        report["validation"]["served_block_kl"] = cur_kl
         t = stage("block_length", t)
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1] + run.exit_kv)]
     linear = {}

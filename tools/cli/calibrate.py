@@ -106,7 +106,7 @@ def calibrate(
     patched = [p["layer"] for p in report["greedy_path"][: cfg.budget_k]]
     typer.echo(f"validation KL: raw {v['raw_kl']:.4f} | REUSE only {v['reuse_only_kl']:.4f} | "
                f"SCD {report['selected_kl']:.4f}; patch layers {patched}"
-               + (f"; PATCH block {blk[0]}-{blk[1] - 1} (REUSE + block {v['block_kl']:.4f})"
+               + (f"; PATCH block {blk[0]}-{blk[1] - 1} (REUSE + block {v.get('served_block_kl', v['block_kl']):.4f})"
                   if (blk := report.get("patch_block")) else ""))
     if report["selected_kl"] >= v["raw_kl"]:
         typer.echo(f"warning: on validation SCD is worse than raw transfer for pair {pair!r} (KL "
