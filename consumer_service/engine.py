@@ -234,31 +234,25 @@ class ConsumerEngine(Engine):
         if progress <= 0:
             raise TimeoutError(self._slow(record))
         t0 = time.perf_counter()
-
-        def account() -> None:  # the wait since the stream's data began counts against the progress rate
-            if record is not None and record.data_from is not None:
-                now = time.perf_counter()
-                record.waited_s += max(0.0, now - max(t0, record.data_from))
-
+        err: BaseException | None = None
         try:
             ev = await asyncio.wait_for(anext(events), min(lease, left, progress))
-        except StopAsyncIteration:
-            account()
+        except (StopAsyncIteration, asyncio.TimeoutError) as e:
+            err = e
+        finally:  # the wait since the stream's data began counts against the progress rate
+            if record is not None and record.data_from is not None:
+                record.waited_s += max(0.0, time.perf_counter() - max(t0, record.data_from))
+        if err is None:
+            return ev
+        if isinstance(err, StopAsyncIteration):
             raise InvalidPayload("the stream ended before its trailer; frames were lost") from None
-        except asyncio.TimeoutError:
-            account()
-            if left <= min(lease, progress):
-                raise TimeoutError("the request's deadline passed while waiting for frames; request aborted and "
-                                   "its memory freed") from None
-            if record is not None and self._progress_left(record) <= 0:
-                raise TimeoutError(self._slow(record)) from None
-            raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
-                               ) from None
-        except BaseException:
-            account()
-            raise
-        account()
-        return ev
+        if left <= min(lease, progress):
+            raise TimeoutError("the request's deadline passed while waiting for frames; request aborted and "
+                               "its memory freed") from None
+        if record is not None and self._progress_left(record) <= 0:
+            raise TimeoutError(self._slow(record)) from None
+        raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
+                           ) from None
 
     def _slow(self, record) -> str:
         return (f"the stream delivered {record.bytes_in:,} bytes in {record.waited_s:.1f} s of waiting, under "

@@ -38,6 +38,11 @@ def check_sampling(sp) -> None:
         raise InvalidRequest("send at most 16 stop strings of at most 256 characters")
 
 
+def _covers(state: PrefillState, hidden: set[int], residual: set[int]) -> bool:
+    """Whether a prefill state captured these hidden and residual layers."""
+    return hidden <= state.hidden.keys() and residual <= state.residual.keys()
+
+
 @dataclass
 class Prepared:
     """A validated request: its token ids, native prefix, method and consumer address."""
@@ -154,7 +159,7 @@ class ProducerEngine(Engine):
         hidden, residual = set(p.method.hidden_layers()), set(p.method.residual_layers())
         cache, size = self._prefills, self.settings.prefill_cache_entries
         old = cache.get(key)
-        if old is not None and hidden <= old.hidden.keys() and residual <= old.residual.keys():
+        if old is not None and _covers(old, hidden, residual):
             cache.move_to_end(key)
             return old, True
         if old is not None:
@@ -179,7 +184,7 @@ class ProducerEngine(Engine):
         running = self._inflight.get(key)
         if running is not None:
             state, _ = await asyncio.shield(running)
-            if need[0] <= state.hidden.keys() and need[1] <= state.residual.keys():
+            if _covers(state, *need):
                 return state, True
         fut = asyncio.ensure_future(self.run(self.prefill, p))
         self._inflight[key] = fut

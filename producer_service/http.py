@@ -139,6 +139,20 @@ def _request(body: _Body, ids: list[int]) -> GenerateRequest:
     )
 
 
+def _scd_timings(ev: TokenEvent) -> dict:
+    """The ``scd_timings`` of a response: what the final event says the request cost."""
+    t = ev.timings
+    assert t is not None  # called on the final event only
+    return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
+            "fallback_recompute": t.fallback_recompute}
+
+
+def _choice(index: int, text: str, finish: str | None, chat: bool) -> dict:
+    """One choice of a streamed chunk (chat: a ``delta``) or of a completion."""
+    body: dict[str, Any] = {"delta": {"content": text}} if chat else {"text": text}
+    return {"index": index, **body, "finish_reason": finish or None, "logprobs": None}
+
+
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is refused with 413, by its
     Content-Length before it is read, or as it arrives when it is chunked (never read whole)."""
@@ -239,15 +253,10 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                     "total_tokens": t.prompt_tokens + t.completion_tokens}
 
         def timings(ev: TokenEvent) -> dict:
-            t = ev.timings
-            assert t is not None  # called on the final event only
-            return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
-                    "fallback_recompute": t.fallback_recompute}
+            return _scd_timings(ev)
 
         def choice(text: str, finish: str | None) -> dict:
-            if chat:
-                return {"index": 0, "delta": {"content": text}, "finish_reason": finish or None, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish or None, "logprobs": None}
+            return _choice(0, text, finish, chat)
 
         if not body.stream:
             text, last = "", first
@@ -318,11 +327,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             await queue.put((i, None, "done"))
 
         def piece(i: int, text: str, finish: str | None, err: tuple | None = None) -> dict:
-            c: dict = {"index": i, "model": names[i], "finish_reason": finish or None, "logprobs": None}
-            if chat:
-                c["delta"] = {"content": text}
-            else:
-                c["text"] = text
+            c = {**_choice(i, text, finish, chat), "model": names[i]}
             if err is not None:
                 c["error"] = error_body(*err)["error"]
             return c
@@ -342,12 +347,11 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-        def timings(ev: TokenEvent) -> dict:
+        def timings(ev: TokenEvent) -> dict:  # each choice has its own tokens and prefill
             t = ev.timings
             assert t is not None
-            return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
-                    "prefill_ms": t.prefill_ms, "fallback_recompute": t.fallback_recompute,
-                    "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens}
+            return {**_scd_timings(ev), "prefill_ms": t.prefill_ms, "prompt_tokens": t.prompt_tokens,
+                    "completion_tokens": t.completion_tokens}
 
         obj = "chat.completion" if chat else "text_completion"
         if not body.stream:

@@ -147,10 +147,11 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
         self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) \
             if self.meta.block_exit_kv and not sparse else frozenset()
-        self.patch -= {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
+        recomputed = {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
+        self.patch -= recomputed
         use_fallback = getattr(cfg, "fallback", "auto") == "auto"
-        self.fallback = (frozenset(self._fallback_layers()) - self.patch - self.exit_layers
-                         - {l for a, b in self.blocks for l in range(a, b)}) if use_fallback else frozenset()
+        self.fallback = (frozenset(self._fallback_layers()) - self.patch - recomputed
+                         if use_fallback else frozenset())
         self._aligners: dict[int, Aligner] = {}
 
     def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
