@@ -295,9 +295,11 @@ def _calibrate_tiny_joint(tiny_pair, tmp_path, seed, **settings):
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (48,), generator=g).tolist() for _ in range(16)]
     val = [(torch.randint(0, 256, (40,), generator=g).tolist(), 0) for _ in range(3)]
+    kinds = settings.pop("val_kinds", ())
     cfg = CalibrationSettings(**{"pair": "tiny", "n_prompts": 16, "r_kv": 40, "r_h": 32, "budget_k": 0, "n_val": 3,
                                  "ablations": False, **settings})
-    folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False)
+    folder, report = calibrate(producer, consumer, prompts, val, cfg, str(tmp_path), "test", progress=False,
+                               val_kinds=kinds)
     return prompts, val, cfg, folder, report
 
 

@@ -56,5 +56,23 @@ def test_calibration_falls_back_where_the_code_hurts_and_shortens_the_block(tiny
     assert set(rfb["gain"]) == {str(l) for l in range(producer.n_layers)}
     # no layer qualifies when the gain asked for is out of reach
     *_, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path / "strict", 22, r_kv=1, pre_block_ranks=[],
-                                               block_layers=2, fallback_gain=1e9)
+                                               block_layers=2, fallback_gain=1e9, fallback_bound=None)
     assert store.load_meta(folder).reuse_fallback_layers == [] == report["reuse_fallback"]["layers"]
+
+
+def test_the_fallback_bound_holds_on_each_kind_of_validation_text(tiny_pair, tmp_path):
+    """With no layer qualifying by gain, the per-kind bound alone adds fallback layers until each kind
+    of validation text scores within its share of raw's KL on that kind."""
+    *_, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 23, r_kv=1, pre_block_ranks=[], block_layers=2,
+                                               fallback_gain=1e9, fallback_bound=1.5, val_kinds=["qa", "lm", "qa"])
+    assert set(report["validation"]["raw_kl_by_kind"]) == {"qa", "lm"}
+    bound = {k: 1.5 * v for k, v in report["validation"]["raw_kl_by_kind"].items()}
+    for key in ("fallback", "reuse_fallback"):
+        fb = report[key]
+        assert fb["bound"] == bound and fb["path"] == []  # nothing qualified by gain: only the bound acts
+        over = [k for k in bound if fb["by_kind_without"][k] > bound[k]]
+        assert bool(fb["layers"]) == bool(over)
+        assert sorted(s["layer"] for s in fb["bound_path"]) == fb["layers"]
+        assert fb["bound_met"] and all(fb["by_kind"][k] <= bound[k] for k in bound)
+    assert report["reuse_fallback"]["layers"], "a rank-1 code is worse than raw: the bound must add layers"
+    assert store.load_meta(folder).reuse_fallback_layers == report["reuse_fallback"]["layers"]

@@ -84,6 +84,11 @@ class CalibrationSettings(BaseModel):
     fallback_gain: float = Field(0.02, ge=0)
     """A layer falls back only when that alone lowers validation KL by more than this share (the
     fallback costs ~2-4x the code's bytes on that layer)."""
+    fallback_bound: float | None = Field(0.9, gt=0)
+    """After the best fallback set, each kind of validation text (QA, LM) must score at most this
+    share of raw transfer's KL on that kind; layers fall back one at a time (the most helpful to the
+    kind furthest over) until it holds, up to every REUSE layer. None: no bound. The margin below 1
+    is for text that calibration never sees."""
     patch_compute_cost: float = Field(0.25, ge=0)
     """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
     ablations: bool = True
@@ -115,6 +120,7 @@ class _Run:
         self.reuse0 = reuse_tensors(self.maps0, cfg.reuse_code)
         self.chosen_block: tuple[int, int] | None = None
         self.exit_kv = False
+        self.raw_by_kind: dict[str, float] = {}  # raw transfer's validation KL per kind of text
         self.aligners: dict[str, dict] = {}  # "linear" / "trained": (producer, consumer) PATCH tensors
 
     # -------------------------------------------------------------------------- fits
@@ -197,8 +203,10 @@ class _Run:
 
 def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
               val_prompts: list[tuple[list[int], int]], cfg: CalibrationSettings, out: str,
-              data_hash: str = "", progress: bool = True, stop_ids: Sequence[int] = ()) -> tuple[str, dict]:
-    """Fit and write the pair's artifacts into store ``out``; returns (folder, report)."""
+              data_hash: str = "", progress: bool = True, stop_ids: Sequence[int] = (),
+              val_kinds: Sequence[str] = ()) -> tuple[str, dict]:
+    """Fit and write the pair's artifacts into store ``out``; returns (folder, report). ``val_kinds``:
+    the kind of text of each validation prompt (the fallback bound holds per kind)."""
     torch.manual_seed(cfg.seed)
     L, m = producer.n_layers, producer.kv_dim
     ranks = (("r_kv", cfg.r_kv, 2 * m),) if cfg.reuse_code == "joint" else (("r_k", cfg.r_k, m), ("r_v", cfg.r_v, m))
@@ -228,15 +236,17 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     spill_dir = SpillDir(cfg.spill_dir)  # validation states and memoized K/V live on disk, not in memory
     vps = sel.prepare_val(producer, consumer, val_prompts[: cfg.n_val], n_new=cfg.val_tokens, progress=progress,
                           stop_ids=stop_ids, spill_to=spill_dir)
-    scorer = run.scorer = Scorer(producer, consumer, vps)
+    scorer = run.scorer = Scorer(producer, consumer, vps, list(val_kinds)[: len(vps)])
     run.memo = KVMemo(spill_dir, consumer.device)
     t = stage("validation_prep", t)
 
     raw_kl = scorer.kl(*scorer.pair("raw"))
+    run.raw_by_kind = dict(scorer.last_by_kind)
     base_kl = run.kl()
     other = "separate" if cfg.reuse_code == "joint" else "joint"
     other_kl = run.kl(maps=sep if other == "separate" else joint, code=other)
-    report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "reuse_only_kl": base_kl,
+    report["validation"] = {"n": len(vps), "raw_kl": raw_kl, "raw_kl_by_kind": run.raw_by_kind,
+                            "reuse_only_kl": base_kl,
                             f"reuse_only_kl_{cfg.reuse_code}": base_kl, f"reuse_only_kl_{other}": other_kl}
     cur_kl = base_kl
     if cfg.block_layers:  # where a PATCH block of the budgeted length earns most: slide it over the depth
@@ -303,10 +313,9 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
 
     fallback, reuse_fallback = [], []
     if cfg.fallback:
-        fallback, sel_kl = _fallback(run, report, "fallback", sel_kl, progress, patch_layers=chosen, maps=maps,
+        fallback, sel_kl = _fallback(run, report, "fallback", progress, patch_layers=chosen, maps=maps,
                                      layer_ranks=layer_ranks)
-        reuse_kl = run.kl(maps=maps, layer_ranks=layer_ranks, no_block=True)
-        reuse_fallback, _ = _fallback(run, report, "reuse_fallback", reuse_kl, progress, maps=maps,
+        reuse_fallback, _ = _fallback(run, report, "reuse_fallback", progress, maps=maps,
                                       layer_ranks=layer_ranks, no_block=True)
         t = stage("fallback", t)
 
@@ -358,29 +367,52 @@ def _shorten_block(run: _Run, report: dict, cur_kl: float, progress: bool) -> tu
     return kept
 
 
-def _fallback(run: _Run, report: dict, key: str, cur_kl: float, progress: bool, **kw) -> tuple[list[int], float]:
+def _fallback(run: _Run, report: dict, key: str, progress: bool, **kw) -> tuple[list[int], float]:
     """The REUSE layers where the producer's own K/V beat the code on validation. Each layer alone
-    first (a layer qualifies when its gain exceeds ``fallback_gain`` of ``cur_kl``), then the
+    first (a layer qualifies when its gain exceeds ``fallback_gain`` of the configuration's KL), then the
     qualifying layers by gain, 1, 2, 4, ... of them and all: the set with the lowest KL is kept
-    (none, if no set beats ``cur_kl``). ``kw``: the configuration scored (patches, maps, block)."""
-    cfg = run.cfg
+    (none, if no set beats the configuration). Then the per-kind bound (``fallback_bound``): while a kind of
+    validation text scores above its share of raw's KL, the layer that helps that kind most falls
+    back too. ``kw``: the configuration scored (patches, maps, block)."""
+    cfg, by_kind = run.cfg, lambda: dict(run.scorer.last_by_kind)
     block = None if kw.get("no_block") else run.chosen_block
     patched = set(kw.get("patch_layers", ()))
     skip = set(range(*block)) | ({block[1]} if run.exit_kv else set()) if block else set()
     layers = [l for l in range(run.L) if l not in skip and l not in patched]
-    gains = {l: cur_kl - run.kl(fallback=[l], **kw)
-             for l in tqdm(layers, desc=f"{key} per layer", disable=not progress)}
+    cur_kl = run.kl(**kw)  # this configuration's KL per kind, from the same scoring as the rest
+    base = by_kind()
+    gains, kinds = {}, {}
+    for l in tqdm(layers, desc=f"{key} per layer", disable=not progress):
+        gains[l], kinds[l] = cur_kl - run.kl(fallback=[l], **kw), by_kind()
     order = [l for l, g in sorted(gains.items(), key=lambda x: -x[1]) if g > cfg.fallback_gain * cur_kl]
     sizes = sorted({n for n in (1, 2, 4, 8, 16, len(order)) if 0 < n <= len(order)})
-    path, best = [], ([], cur_kl)
+    path, best = [], ([], cur_kl, base)
     for n in sizes:
-        kl = cur_kl - gains[order[0]] if n == 1 else run.kl(fallback=order[:n], **kw)
-        path.append({"layers": sorted(order[:n]), "kl": kl})
+        if n == 1:
+            kl, kk = cur_kl - gains[order[0]], kinds[order[0]]
+        else:
+            kl, kk = run.kl(fallback=order[:n], **kw), by_kind()
+        path.append({"layers": sorted(order[:n]), "kl": kl, "by_kind": kk})
         if kl < best[1]:
-            best = (sorted(order[:n]), kl)
-    report[key] = {"kl_without": cur_kl, "gain": {str(l): g for l, g in gains.items()}, "path": path,
-                   "layers": best[0], "kl": best[1]}
-    return best
+            best = (sorted(order[:n]), kl, kk)
+    chosen, kl, kk = best
+    limit = {k: cfg.fallback_bound * r for k, r in run.raw_by_kind.items()} if cfg.fallback_bound else {}
+    over = lambda kk: {k: kk[k] / limit[k] for k in limit if kk[k] > limit[k]}  # noqa: E731
+    bound_path = []
+    while over(kk) and (rest := [l for l in layers if l not in chosen]):
+        worst = max(over(kk).items(), key=lambda x: x[1])[0]
+        l = max(rest, key=lambda l: base[worst] - kinds[l][worst])
+        chosen = sorted([*chosen, l])
+        kl = run.kl(fallback=chosen, **kw)
+        kk = by_kind()
+        bound_path.append({"layer": l, "for": worst, "kl": kl, "by_kind": kk})
+    if over(kk):
+        log.warning("%s: even with every REUSE layer falling back, validation KL is over %.2fx raw's on %s",
+                    key, cfg.fallback_bound, sorted(over(kk)))
+    report[key] = {"kl_without": cur_kl, "by_kind_without": base, "gain": {str(l): g for l, g in gains.items()},
+                   "path": path, "bound": limit, "bound_path": bound_path, "bound_met": not over(kk),
+                   "layers": chosen, "kl": kl, "by_kind": kk}
+    return chosen, kl
 
 
 def _pre_block_ranks(run: _Run, report: dict, chosen: list[int], cur_kl: float,

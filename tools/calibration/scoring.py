@@ -16,7 +16,7 @@ same served code, so memoizing changes nothing but the time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -104,8 +104,15 @@ class ScoredDroidSpeak(DroidSpeak):
 class Scorer:
     """Teacher-forced quality of a transfer method on the validation prompts ``vps``."""
 
-    def __init__(self, producer: ModelAdapter, consumer: ModelAdapter, vps: list[ValPrompt]):
+    def __init__(self, producer: ModelAdapter, consumer: ModelAdapter, vps: list[ValPrompt],
+                 kinds: Sequence[str] = ()):
         self.producer, self.consumer, self.vps = producer, consumer, vps
+        self.kinds = list(kinds) or ["all"] * len(vps)
+        """The kind of text of each validation prompt (e.g. ``qa``, ``lm``): ``kl`` also keeps the
+        mean per kind of its last call (``last_by_kind``), for bounds that must hold on each."""
+        if len(self.kinds) != len(vps):
+            raise ValueError(f"{len(self.kinds)} kinds for {len(vps)} validation prompts")
+        self.last_by_kind: dict[str, float] = {}
 
     def cache(self, enc: TransferMethod, dec: TransferMethod, i: int):
         """The consumer's cache for prompt i when ``enc``/``dec`` carry it (positions [0, n-1))."""
@@ -133,6 +140,8 @@ class Scorer:
         for i, vp in enumerate(self.vps):
             kls.append(float(kl_top1(vp.oracle_lp, self.logprobs(enc, dec, i))[0].mean()))
             release_memory()  # each prompt's cache is freed here; keep its pages from piling up
+        self.last_by_kind = {k: sum(x for x, kk in zip(kls, self.kinds) if kk == k) / self.kinds.count(k)
+                             for k in dict.fromkeys(self.kinds)}
         return sum(kls) / len(kls)
 
     def pair(self, kind: str, params: dict[str, Any] | None = None, producer_ctx: CodecContext | None = None,

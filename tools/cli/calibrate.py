@@ -16,7 +16,7 @@ from tools.cli.common import (
     pair_models,
     parse_set,
     setup_logging,
-    validation_prompts,
+    validation_items,
 )
 
 METHODS = ("scd", "droidspeak", "ridge", "spectrum")
@@ -53,7 +53,8 @@ def calibrate(
     out = pm.store(out)
     stop = pm.fmt.stop_ids
     n_val = (cfg.n_val if cfg else int(overrides.get("n_val", 24)))
-    val = validation_prompts(pm, data_file, n_val)
+    val_items = validation_items(pm, data_file, n_val)
+    val = [(it.prompt_ids, it.prefix_len) for it in val_items]
     source = f"{data_file} (sha256 {_sha(data_file)[:12]})" if data_file else "built-in data"
     typer.echo(f"calibrating {method} for pair {pair!r} on {source}: {len(val)} validation prompts; store {out}",
                err=True)
@@ -98,7 +99,7 @@ def calibrate(
             typer.echo(json.dumps({k: v for k, v in r.items() if k != "r2_per_layer"}))
             return
         folder, report = run(pm.producer, pm.consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]),
-                             stop_ids=stop)
+                             stop_ids=stop, val_kinds=[it.kind for it in val_items])
     except (ValueError, TypeError) as e:
         fail(str(e))
     v = report["validation"]
@@ -112,6 +113,12 @@ def calibrate(
         typer.echo(f"warning: on validation SCD is worse than raw transfer for pair {pair!r} (KL "
                    f"{report['selected_kl']:.4f} vs {v['raw_kl']:.4f}): its caches barely drift and the lossy code "
                    "costs more than it corrects; serve raw or quant to this consumer", err=True)
+    for key, name in (("fallback", "scd"), ("reuse_fallback", "scd-reuse")):
+        if (fb := report.get(key)) and fb["bound"]:
+            kinds = ", ".join(f"{k} {fb['by_kind'][k]:.4f} (bound {b:.4f})" for k, b in fb["bound"].items())
+            typer.echo(f"{name}: fallback layers {fb['layers']}; validation KL per kind: {kinds}"
+                       + ("" if fb["bound_met"] else " -- over the bound even with every layer falling back"),
+                       err=not fb["bound_met"])
     typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "peak_rss_mb": report.get("peak_rss_mb"),
                            "validation": v, "selected_kl": report["selected_kl"]}))
 

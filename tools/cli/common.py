@@ -126,15 +126,18 @@ def calibration_prompts(pm: PairModels, data_file: Path | None) -> list[list[int
     return [x.prompt_ids for pair_ in zip(qa, lm) for x in pair_] + [x.prompt_ids for x in qa[len(lm):]]
 
 
-def validation_prompts(pm: PairModels, data_file: Path | None, n: int | None = None) -> list[tuple[list[int], int]]:
-    """Validation prompts (what calibration selects on): the JSONL's validation split, or built-in QA
+def validation_items(pm: PairModels, data_file: Path | None, n: int | None = None) -> list:
+    """Validation items (what calibration selects on): the JSONL's validation split, or built-in QA
     and LM interleaved, so a choice that helps one kind of text and hurts the other is seen."""
     if data_file:
-        its = items(pm, "validation", n, data_file)
-    else:
-        qa, lm = items(pm, "validation", kinds=("qa",)), items(pm, "validation", kinds=("lm",))
-        its = ([x for pair_ in zip(qa, lm) for x in pair_] + qa[len(lm):])[:n]
-    return [(it.prompt_ids, it.prefix_len) for it in its]
+        return items(pm, "validation", n, data_file)
+    qa, lm = items(pm, "validation", kinds=("qa",)), items(pm, "validation", kinds=("lm",))
+    return ([x for pair_ in zip(qa, lm) for x in pair_] + qa[len(lm):])[:n]
+
+
+def validation_prompts(pm: PairModels, data_file: Path | None, n: int | None = None) -> list[tuple[list[int], int]]:
+    """The validation items' (prompt ids, fixed-prefix length)."""
+    return [(it.prompt_ids, it.prefix_len) for it in validation_items(pm, data_file, n)]
 
 
 def parse_set(values: list[str]) -> dict:
