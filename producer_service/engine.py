@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
+from shared.auto import AutoSettings, Choice, LinkEstimator, choose
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
@@ -52,6 +53,8 @@ class Prepared:
     prefix_len: int
     method: TransferMethod
     address: str
+    auto: Choice | None = None
+    """Set when the request asked for ``auto``: what it chose and why."""
 
 
 @dataclass
@@ -77,6 +80,8 @@ class ProducerEngine(Engine):
         self._inflight: dict[tuple, asyncio.Future] = {}  # prompt -> its prefill running now (event loop only)
         self.prefix_ids: list[int] = self.format.prefix_ids if self.format else []
         self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
+        self.links = LinkEstimator()  # per consumer: the link rate auto plans for
+        self._servable: dict[tuple[str, str], bool] = {}  # (consumer, point label) -> auto may choose it
 
     def _format(self, tokenizer: str | None) -> PromptFormat | None:
         """How text prompts for one consumer become ids: its pair's tokenizer and chat template (the
@@ -105,13 +110,14 @@ class ProducerEngine(Engine):
         check_ids(req.request_id)
         check_sampling(req.sampling)
         ctx = self.ctxs[req.consumer]
-        needs = CODECS[kind].requires
-        if ("artifacts" in needs and ctx.artifacts is None) or ("profile" in needs and kind not in ctx.profiles):
-            how = f"--method {kind}" if "profile" in needs else ""
-            raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {req.consumer!r}: run "
-                                     f"`scd calibrate --pair {req.consumer} {how}`".rstrip() +
-                                     f" and set consumers.{req.consumer}.artifacts")
-        method = make_method(kind, ctx, dict(req.method_params))
+        params = dict(req.method_params)
+        auto = AutoSettings.parse(params) if kind == "auto" else None
+        if auto is not None and "auto" not in ctx.profiles:
+            raise PreconditionFailed(f"method 'auto' needs the operating table of consumer {req.consumer!r}: run "
+                                     f"`scd calibrate --pair {req.consumer} --method auto` and set "
+                                     f"consumers.{req.consumer}.artifacts")
+        if auto is None:
+            self._check_needs(kind, ctx, req.consumer)
         fmt = self.prompt_format(req.consumer)
         if isinstance(req.prompt, str):
             if not req.prompt.strip():
@@ -135,7 +141,37 @@ class ProducerEngine(Engine):
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
         pre = fmt.prefix_ids if fmt else []
         prefix = len(pre) if req.native_prefix and pre and ids[: len(pre)] == pre else 0
-        return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address)
+        choice = None
+        if auto is not None:
+            rate, source = self.links.estimate(req.consumer, auto.link_mbps or s.consumers[req.consumer].link_mbps)
+            choice = choose(ctx.profiles["auto"], len(ids) - 1 - prefix, rate, source, auto,
+                            usable=lambda p: self._usable(req.consumer, p), offered=s.methods)
+            kind, params = choice.method, choice.params
+        method = make_method(kind, ctx, params)
+        return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address, choice)
+
+    @staticmethod
+    def _check_needs(kind: str, ctx: CodecContext, consumer: str) -> None:
+        needs = CODECS[kind].requires
+        if ("artifacts" in needs and ctx.artifacts is None) or ("profile" in needs and kind not in ctx.profiles):
+            how = f"--method {kind}" if "profile" in needs else ""
+            raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {consumer!r}: run "
+                                     f"`scd calibrate --pair {consumer} {how}`".rstrip() +
+                                     f" and set consumers.{consumer}.artifacts")
+
+    def _usable(self, consumer: str, point: dict) -> bool:
+        """Whether ``auto`` may choose this point for this consumer: its method can be made here and
+        reads the artifacts it was measured with (checked once per point)."""
+        key = (consumer, point["label"])
+        if key not in self._servable:
+            ctx = self.ctxs[consumer]
+            try:
+                self._check_needs(point["method"], ctx, consumer)
+                ok = make_method(point["method"], ctx, point["params"]).pin() == point["pin"]
+            except Exception:  # noqa: BLE001 - a point that cannot be made is not chosen
+                ok = False
+            self._servable[key] = ok
+        return self._servable[key]
 
     def header(self, p: Prepared, request_id: str, deadline_unix: float) -> StreamHeader:
         m = p.method

@@ -143,8 +143,11 @@ def _scd_timings(ev: TokenEvent) -> dict:
     """The ``scd_timings`` of a response: what the final event says the request cost."""
     t = ev.timings
     assert t is not None  # called on the final event only
-    return {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
-            "fallback_recompute": t.fallback_recompute}
+    out = {"method": t.method, "ttft_ms": t.ttft_ms, "wire_bytes": t.wire_bytes,
+           "fallback_recompute": t.fallback_recompute}
+    if t.auto_reason:
+        out["auto_reason"] = t.auto_reason
+    return out
 
 
 def _choice(index: int, text: str, finish: str | None, chat: bool) -> dict:

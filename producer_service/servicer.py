@@ -156,6 +156,8 @@ class ProducerServicer(pbg.ProducerServicer):
         md = self._peer_md + (((BENCH_HOLD_METADATA, "1"),) if hold else ())
         call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining, metadata=md or None)
         kind = p.method.kind
+        if p.auto is not None:
+            m.auto_choices.labels(request.consumer, p.auto.label).inc()
         ttft = None
         try:
             async for pev in call:
@@ -170,6 +172,9 @@ class ProducerServicer(pbg.ProducerServicer):
                     t = ev.timings
                     t.ttft_ms, t.prefill_ms, t.encode_ms = ttft, stats.prefill_ms, stats.encode_ms
                     t.wire_bytes, t.payload_bytes = totals.wire_bytes, totals.payload_bytes
+                    t.auto_reason = p.auto.reason if p.auto else ""
+                    if not t.fallback_recompute:
+                        eng.links.observe(request.consumer, totals.wire_bytes, t.transfer_ms)
                 yield ev
         except grpc.aio.AioRpcError as e:
             code = e.code()

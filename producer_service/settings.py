@@ -17,6 +17,9 @@ class ConsumerEndpoint(_Strict):
     tokenizer: str | None = None
     """A folder whose tokenizer and chat template format text prompts for this consumer (its pair's:
     the model that answers); default: the producer's own. Must share the producer's vocabulary."""
+    link_mbps: float | None = Field(None, gt=0)
+    """The link rate to this consumer that ``auto`` plans for, Mbit/s; default: measured from recent
+    transfers (1,000 until one has been seen)."""
 
 
 class ProducerSettings(ServiceSettings):
@@ -27,8 +30,10 @@ class ProducerSettings(ServiceSettings):
     consumers: dict[str, ConsumerEndpoint] = {}
     """Consumers this producer can serve, by name."""
     default_method: str = "scd"
-    methods: tuple[str, ...] = ("oracle", "raw", "quant", "scd-reuse", "scd")
-    """Transfer methods this producer offers."""
+    methods: tuple[str, ...] = ("oracle", "raw", "quant", "scd-reuse", "scd", "auto")
+    """Transfer methods this producer offers (a method whose pair lacks its artifacts or profile is
+    refused per request with the command that makes them). ``auto`` picks one of the others listed
+    here, per request, from the pair's operating table (the consumer must accept what it picks)."""
     max_prompt_tokens: int = Field(4096, ge=2)
     max_prompt_chars: int = Field(64_000, ge=1)
     default_deadline_s: float = Field(120.0, gt=0)

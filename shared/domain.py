@@ -140,6 +140,8 @@ class Timings:
     method: str = ""
     fallback_recompute: bool = False
     """The consumer prefilled the prompt itself instead of using the transfer."""
+    auto_reason: str = ""
+    """For a request that asked for ``auto``: the method it chose and why (set by the producer)."""
 
 
 @dataclass

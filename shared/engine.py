@@ -32,7 +32,7 @@ class Engine(TorchWorker):
     """Base of ``ProducerEngine`` and ``ConsumerEngine``. ``settings.methods`` must all be registered."""
 
     def __init__(self, settings, model, tokenizer, name: str):
-        check_enabled(settings.methods)
+        check_enabled(settings.methods, allow=("auto",) if name == "producer" else ())
         self.settings = settings
         self.adapter = ModelAdapter(model)
         self.tokenizer = tokenizer
@@ -42,26 +42,35 @@ class Engine(TorchWorker):
 
     def load_context(self, folder: str | Path | None, side: str, producer_fp: str | None = None,
                      consumer_fp: str | None = None, require: tuple[str, ...] = ()) -> CodecContext:
-        """A codec context for this side with what ``folder`` (``<store>/<pair>``) holds: the pair's
-        SCD artifacts (``meta.json`` there) and the baselines' profiles beside it
-        (``<store>/<pair>.<kind>.json``), checked against the fingerprints given. A method named in
-        ``require`` whose artifacts or profile are missing is a ``ConfigError`` at start-up."""
-        from shared.artifacts import store
-        from shared.codecs.scd import PairArtifacts
+        return load_context(self.adapter, folder, side, producer_fp, consumer_fp, require)
 
-        ctx = CodecContext(self.adapter)
-        needs_art = [m for m in require if "artifacts" in CODECS[m].requires]
-        needs_prof = [m for m in require if "profile" in CODECS[m].requires]
-        if folder is None:
-            if needs_art or needs_prof:
-                raise ConfigError(f"methods {needs_art + needs_prof} need the pair's calibration artifacts: set "
-                                  "artifact_store (or drop them from methods)")
-            return ctx
-        folder = Path(folder)
-        if needs_art or (folder / "meta.json").exists():
-            meta, tensors = store.load(folder, side, producer_fp, consumer_fp)
-            ctx.artifacts = PairArtifacts(meta, tensors, side)
-        for kind in (k for k, cls in CODECS.items() if "profile" in cls.requires):
-            if kind in needs_prof or (folder.parent / f"{folder.name}.{kind}.json").exists():
-                ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, producer_fp, consumer_fp)
+
+PROFILE_KINDS = (*(k for k, cls in CODECS.items() if "profile" in cls.requires), "auto")
+"""Profiles a pair may have beside its SCD artifacts: the baselines' and ``auto``'s operating table."""
+
+
+def load_context(adapter: ModelAdapter, folder: str | Path | None, side: str, producer_fp: str | None = None,
+                 consumer_fp: str | None = None, require: tuple[str, ...] = ()) -> CodecContext:
+    """A codec context for this side with what ``folder`` (``<store>/<pair>``) holds: the pair's
+    SCD artifacts (``meta.json`` there) and the profiles beside it (``<store>/<pair>.<kind>.json``),
+    checked against the fingerprints given. A method named in ``require`` whose artifacts or
+    profile are missing is a ``ConfigError`` at start-up."""
+    from shared.artifacts import store
+    from shared.codecs.scd import PairArtifacts
+
+    ctx = CodecContext(adapter)
+    needs_art = [m for m in require if m in CODECS and "artifacts" in CODECS[m].requires]
+    needs_prof = [m for m in require if m == "auto" or (m in CODECS and "profile" in CODECS[m].requires)]
+    if folder is None:
+        if needs_art or needs_prof:
+            raise ConfigError(f"methods {needs_art + needs_prof} need the pair's calibration artifacts: set "
+                              "artifact_store (or drop them from methods)")
         return ctx
+    folder = Path(folder)
+    if needs_art or (folder / "meta.json").exists():
+        meta, tensors = store.load(folder, side, producer_fp, consumer_fp)
+        ctx.artifacts = PairArtifacts(meta, tensors, side)
+    for kind in PROFILE_KINDS:
+        if kind in needs_prof or (folder.parent / f"{folder.name}.{kind}.json").exists():
+            ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, producer_fp, consumer_fp)
+    return ctx

@@ -52,6 +52,9 @@ class Metrics:
                                       ["consumer"], registry=r)
         self.consumer_ttft = Histogram(p + "consumer_ttft_seconds", "Request received -> first token, by consumer "
                                        "(producer)", ["consumer"], buckets=_SECONDS, registry=r)
+        self.auto_choices = Counter(p + "auto_choices", "What requests for the auto method were served with, by "
+                                    "consumer (producer; the method label, settings included)", ["consumer", "choice"],
+                                    registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,5 +47,35 @@ class RidgeProfile(Profile):
     """sha256 of ``<pair>.ridge.safetensors``, the maps."""
 
 
+class OperatingPoint(BaseModel):
+    """One method and setting of a pair, measured on its validation prompts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    label: str
+    """``method`` or ``method:key=value,...``: how eval, bench and the reason name it."""
+    method: str
+    params: dict[str, str] = {}
+    pin: str = ""
+    """The method's pin when measured (its artifacts' or profile's hash): a point whose method now
+    reads other artifacts is stale and not chosen."""
+    kl: float = Field(ge=0)
+    kl_by_kind: dict[str, float] = {}
+    bytes_per_token: float = Field(ge=0)
+    encode_ms_per_token: float = Field(ge=0)
+    reconstruct_ms_per_token: float = Field(ge=0)
+
+
+class AutoProfile(Profile):
+    """The pair's operating table (``scd calibrate --method auto``): what ``auto`` chooses from."""
+
+    kind: Literal["auto"] = "auto"
+    points: list[OperatingPoint] = Field(min_length=1)
+    raw_kl: float = Field(ge=0)
+    """Raw fp16 transfer's validation KL: the quality bound is relative to it."""
+    prefill_ms_per_token: float = Field(0.0, ge=0)
+    """The consumer's own prefill, per token, measured in the same run (for the report)."""
+
+
 PROFILES: dict[str, type[Profile]] = {"droidspeak": DroidSpeakProfile, "spectrum": SpectrumProfile,
-                                      "ridge": RidgeProfile}
+                                      "ridge": RidgeProfile, "auto": AutoProfile}

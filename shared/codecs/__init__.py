@@ -49,11 +49,12 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
             raise InvalidRequest(f"invalid settings for method {kind!r}: {first}".replace("\n", "; ")) from None
 
 
-def check_enabled(methods) -> None:
-    """Fail fast at start-up on a settings list naming an unregistered method."""
+def check_enabled(methods, allow=()) -> None:
+    """Fail fast at start-up on a settings list naming an unregistered method (``allow``: names that
+    are not codecs but may be listed, e.g. the producer's ``auto``)."""
     for m in methods:
-        if m not in CODECS:
-            raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted(CODECS)}")
+        if m not in CODECS and m not in allow:
+            raise UnknownMethod(f"settings.methods names {m!r}; registered methods are {sorted([*CODECS, *allow])}")
 
 
 def _scalar(v):

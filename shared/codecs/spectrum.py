@@ -114,12 +114,17 @@ class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"p
         return s.softmax(-1).sum((0, 1, 2)).cpu()
 
     def encode_layer(self, state, layer, start):
+        return self.encode_kv(state.keys[layer][:, :, start:], state.values[layer][:, :, start:],
+                              self.importance(state, layer)[start:], start)
+
+    def encode_kv(self, keys: torch.Tensor, values: torch.Tensor, imp: torch.Tensor, start: int) -> dict:
+        """The transferred positions' K and V [1, H, n, D] at the tiers their importance [n] earns
+        (positions before ``start`` are not sent; the sinks among the first are protected)."""
         c = self.cfg
-        imp = self.importance(state, layer)[start:]
         tiers = allocate(imp, max(0, c.sinks - start), c.budget, self.int4, c.group_size, c.fp16_share)
         out = {"tier": tiers}
-        for name, x in (("k", state.keys[layer]), ("v", state.values[layer])):
-            x = to_rows(x[:, :, start:]).float().cpu()
+        for name, x in (("k", keys), ("v", values)):
+            x = to_rows(x).float().cpu()
             out[f"{name}.f16"] = x[tiers == FP16].to(torch.float16)
             for bits, tier in ((8, INT8), (4, INT4)):
                 q, s, z = quantize_groups(x[tiers == tier], bits, c.group_size, 1)

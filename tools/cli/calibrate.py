@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +20,7 @@ from tools.cli.common import (
     validation_items,
 )
 
-METHODS = ("scd", "droidspeak", "ridge", "spectrum")
+METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto")
 
 
 @app.command()
@@ -30,7 +31,8 @@ def calibrate(
                                                                   "the validation split selects."),
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_kv=192 (repeatable)."),
     method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts), droidspeak (recompute blocks), ridge "
-                                          "(cross-model maps) or spectrum (int4 probe)."),
+                                          "(cross-model maps), spectrum (int4 probe) or auto (the operating table "
+                                          "of every method the pair has: run it last)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
@@ -85,6 +87,9 @@ def calibrate(
                        f"{save_profile(prof)}")
             typer.echo(json.dumps(prof["report"]))
             return
+        if method == "auto":
+            _auto(pm, out, pair, val_items, overrides, save_profile)
+            return
         cal = calibration_prompts(pm, data_file)
         if method == "ridge":
             from tools.calibration.ridge import calibrate as fit_ridge
@@ -121,6 +126,36 @@ def calibrate(
                        err=not fb["bound_met"])
     typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "peak_rss_mb": report.get("peak_rss_mb"),
                            "validation": v, "selected_kl": report["selected_kl"]}))
+
+
+def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profile) -> None:
+    """The operating table: every candidate method and setting the pair can serve, scored on validation."""
+    from shared.engine import load_context
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.calibration.auto import CANDIDATES, operating_table
+
+    unknown = set(overrides) - {"n_val", "candidates"}
+    if unknown:
+        raise ValueError(f"unknown auto settings {sorted(unknown)}; auto takes n_val and candidates "
+                         f"(space-separated labels, default '{' '.join(CANDIDATES)}')")
+    cands = tuple(str(overrides["candidates"]).split()) if overrides.get("candidates") else CANDIDATES
+    pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
+    pctx = load_context(pm.producer, out / pair, "producer", pfp, cfp)
+    cctx = load_context(pm.consumer, out / pair, "consumer", pfp, cfp)
+    t0 = time.perf_counter()
+    table = operating_table(pm.producer, pm.consumer, pm.fmt, val_items, pctx, cctx, cands)
+    table["report"]["seconds"] = round(time.perf_counter() - t0, 1)
+    path = save_profile(table)
+    raw = table["raw_kl"]
+    typer.echo(f"{'point':<24}{'KL':>9}{'x raw':>8}{'B/tok':>9}{'enc ms/tok':>12}{'rec ms/tok':>12}")
+    for p in sorted(table["points"], key=lambda p: p["kl"]):
+        typer.echo(f"{p['label']:<24}{p['kl']:>9.4f}{p['kl'] / raw if raw else 0:>8.2f}{p['bytes_per_token']:>9.0f}"
+                   f"{p['encode_ms_per_token']:>12.3f}{p['reconstruct_ms_per_token']:>12.3f}")
+    for label, why in table["report"]["skipped"].items():
+        typer.echo(f"skipped {label}: {why}", err=True)
+    typer.echo(f"operating table ({len(table['points'])} points, {table['report']['seconds']} s) written to {path}")
+    typer.echo(json.dumps({"raw_kl": raw, "points": {p["label"]: round(p["kl"], 5) for p in table["points"]},
+                           "seconds": table["report"]["seconds"]}))
 
 
 def _sha(path: Path) -> str:

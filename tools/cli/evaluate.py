@@ -121,9 +121,11 @@ def eval_(
     if data_kind not in ("qa", "lm", "heldout"):
         raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {data_kind!r}")
     names = [m for m in methods.split(",") if m]
-    unknown = [m for m in names if m not in CODECS]
+    unknown = [m for m in names if m not in CODECS and m != "auto"]
     if unknown:
-        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
+        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted([*CODECS, 'auto'])}")
+    if sweep and "auto" in names:
+        raise typer.BadParameter("--sweep varies each method's knob; auto has none (leave it out of --methods)")
     params: dict[str, dict[str, str]] = {}
     for p in param:
         key, _, value = p.partition("=")
@@ -136,7 +138,15 @@ def eval_(
     producer, consumer = pm.producer, pm.consumer
     pctx, cctx = CodecContext(producer), CodecContext(consumer)
     pfp, cfp = weights_fingerprint(producer.model), weights_fingerprint(consumer.model)
-    if any("artifacts" in CODECS[m].requires for m in names):
+    if "auto" in names:  # auto may choose any method the pair has artifacts or a profile for
+        from shared.engine import load_context
+
+        try:
+            pctx = load_context(producer, store_dir / pair, "producer", pfp, cfp, require=("auto",))
+            cctx = load_context(consumer, store_dir / pair, "consumer", pfp, cfp, require=("auto",))
+        except SCDError as e:
+            fail(str(e))
+    if any(m in CODECS and "artifacts" in CODECS[m].requires for m in names):
         try:
             folder = store_dir / pair
             meta, pt = store.load(folder, "producer", pfp, cfp)
@@ -144,7 +154,7 @@ def eval_(
         except SCDError as e:
             fail(str(e))
         pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
-    for kind in (m for m in names if "profile" in CODECS[m].requires):
+    for kind in (m for m in names if m in CODECS and "profile" in CODECS[m].requires):
         try:
             prof = store.load_profile(store_dir, pair, kind, pfp, cfp)
         except SCDError as e:
@@ -163,7 +173,10 @@ def eval_(
             pts = sw.points(names, ds, pl, pctx.artifacts.meta.patch_blocks if pctx.artifacts else None)
             runners = {lab: codec_method(kind, pctx, cctx, prm) for lab, kind, prm in pts}
         else:
-            runners = {m: codec_method(m, pctx, cctx, params.get(m)) for m in names}
+            from tools.calibration.auto import auto_runner
+
+            runners = {m: auto_runner(pctx.profiles["auto"], pctx, cctx, params.get(m)) if m == "auto"
+                       else codec_method(m, pctx, cctx, params.get(m)) for m in names}
     except SCDError as e:
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
@@ -174,6 +187,9 @@ def eval_(
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
+    if "auto" in runners and not sweep:
+        res["auto_choices"] = dict(runners["auto"].choices)
+        typer.echo(f"auto chose: {', '.join(f'{k} x{v}' for k, v in runners['auto'].choices.most_common())}")
     if sweep:
         target = json_out.with_name(json_out.stem + ".sweep.json") if json_out else Path("sweep.json")
         body = sw.write(res["methods"], target, f"{pair}, native prefix {native_prefix}, n={len(its)}")

@@ -59,20 +59,27 @@ class Acc:
     bytes_per_token: list[float] = field(default_factory=list)
     encode_ms: list[float] = field(default_factory=list)
     reconstruct_ms: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
 
     def summary(self, oracle_ppl: float | None) -> dict:
         ppl = math.exp(self.nll / max(self.nll_tokens, 1))
+        n_tok = max(1, sum(self.tokens))
         out = {
             "n": len(self.kl),
             "kl": statistics.fmean(self.kl),
+            "kl_by_kind": {k: statistics.fmean(x for x, kk in zip(self.kl, self.kinds) if kk == k)
+                           for k in dict.fromkeys(self.kinds)},
             "top1": statistics.fmean(self.top1),
-            "agree_f1": statistics.fmean(self.agree_f1),
+            "agree_f1": statistics.fmean(self.agree_f1) if self.agree_f1 else None,
             "task_f1": statistics.fmean(self.task_f1) if self.task_f1 else None,
             "ppl": ppl,
             "delta_ppl_pct": 100 * (ppl / oracle_ppl - 1) if oracle_ppl else 0.0,
             "bytes_per_token": statistics.fmean(self.bytes_per_token),
             "encode_ms": statistics.fmean(self.encode_ms),
             "reconstruct_ms": statistics.fmean(self.reconstruct_ms),
+            "encode_ms_per_token": sum(self.encode_ms) / n_tok,
+            "reconstruct_ms_per_token": sum(self.reconstruct_ms) / n_tok,
         }
         return out
 
@@ -88,9 +95,12 @@ def evaluate(
     residual_layers: Sequence[int] = (),
     max_new_tokens: int = MAX_NEW_TOKENS,
     progress: bool = True,
+    generate: bool = True,
 ) -> dict:
     """Run every method on every item; returns {"methods": {name: metrics}, "layers": {...}}. ``fmt`` is
-    the pair's prompt format: its stop ids end answers, its tokenizer decodes them."""
+    the pair's prompt format: its stop ids end answers, its tokenizer decodes them. ``generate``:
+    also decode each method's greedy answer (agreement and task F1); without it only the
+    teacher-forced measures are taken."""
     stop, tok = fmt.stop_ids, fmt.tok
     accs = {name: Acc() for name in methods}
     k_err = [0.0] * consumer.n_layers
@@ -118,11 +128,14 @@ def evaluate(
             acc = accs[name]
             acc.kl.append(float(kl.mean()))
             acc.top1.append(float(top1.mean()))
-            toks = o_toks if name == "oracle" else consumer.greedy(clone_cache(r.cache), last, max_new_tokens, stop)
-            text = tok.decode(toks, skip_special_tokens=True)
-            acc.agree_f1.append(token_f1(text, o_text))
-            if item.answer:
-                acc.task_f1.append(token_f1(text, item.answer))
+            acc.tokens.append(len(ctx_ids) - ctx.prefix_len)
+            acc.kinds.append(item.kind)
+            if generate:
+                toks = o_toks if name == "oracle" else consumer.greedy(clone_cache(r.cache), last, max_new_tokens, stop)
+                text = tok.decode(toks, skip_special_tokens=True)
+                acc.agree_f1.append(token_f1(text, o_text))
+                if item.answer:
+                    acc.task_f1.append(token_f1(text, item.answer))
             target = gold or reference
             if target:
                 glp = consumer.score(clone_cache(r.cache, consumer.config), last, target)[: len(target)]

@@ -1,0 +1,124 @@
+"""``auto``: per request, the transfer method and setting with the lowest expected time to first
+token among those whose validation quality is within a bound, read from the pair's operating table
+(``<store>/<pair>.auto.json``, written by ``scd calibrate --method auto``).
+
+The expected time of a point for a prompt of ``n`` transferred tokens over a link of ``r`` bit/s:
+
+    n x (encode ms/token + reconstruct ms/token) + n x bytes/token x 8 / r
+
+(the producer's prefill is common to every transfer method, so it does not change the choice; the
+layers' pipelining is not modelled, so the estimate is an upper bound). The quality bound, by
+default: validation KL no worse than raw transfer's, and no worse than half of raw's where some
+point reaches that (the pair drifts enough for a correcting method to pay). ``max_kl_vs_raw``
+sets the bound instead. The Oracle is not a candidate: it is the no-disaggregation baseline.
+
+The link rate is a setting per consumer, else measured: the best goodput of the consumer's recent
+transfers (wire bytes over the transfer time the consumer saw; a transfer slowed by encoding only
+underestimates the link), else ``DEFAULT_LINK_MBPS`` until a transfer has been seen."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.errors import InvalidRequest, PreconditionFailed
+
+DEFAULT_LINK_MBPS = 1000.0
+MIN_SAMPLE_BYTES = 256 << 10
+"""Transfers smaller than this are latency-bound: they say little about the link's rate."""
+
+
+class AutoSettings(BaseModel):
+    """What a request may set for ``auto`` (its method parameters)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    link_mbps: float | None = Field(None, gt=0)
+    """The link rate to plan for, Mbit/s (default: the consumer's setting, else measured)."""
+    max_kl_vs_raw: float | None = Field(None, gt=0)
+    """Quality bound: validation KL at most this multiple of raw transfer's (default: 1, and 0.5
+    where some point reaches it)."""
+
+    @classmethod
+    def parse(cls, params: dict[str, str] | None) -> "AutoSettings":
+        try:
+            return cls.model_validate(params or {})
+        except ValidationError as e:
+            msg = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'auto'}: {x['msg']}" for x in e.errors())
+            raise InvalidRequest(f"invalid settings for method 'auto': {msg} (settings: link_mbps, "
+                                 "max_kl_vs_raw)") from None
+
+
+@dataclass(frozen=True)
+class Choice:
+    method: str
+    params: dict[str, str]
+    label: str
+    expected_ms: float
+    reason: str
+
+
+def expected_ms(point: dict, n_tokens: int, link_mbps: float) -> float:
+    per_token = point["encode_ms_per_token"] + point["reconstruct_ms_per_token"]
+    return n_tokens * per_token + n_tokens * point["bytes_per_token"] * 8 / (link_mbps * 1e6) * 1e3
+
+
+def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, settings: AutoSettings = AutoSettings(),
+           usable: Callable[[dict], bool] | None = None, offered: Collection[str] | None = None) -> Choice:
+    """The point of ``table`` (an ``AutoProfile``'s dict) to serve a prompt of ``n_tokens`` with.
+    ``offered``: methods this server offers; ``usable``: whether a point can be served as measured
+    (its method can be made and reads the artifacts it was measured with)."""
+    raw = table["raw_kl"]
+    points = [p for p in table["points"] if p["method"] != "oracle" and (offered is None or p["method"] in offered)
+              and (usable is None or usable(p))]
+    if not points:
+        raise PreconditionFailed("auto: no point of the pair's operating table can be served here (methods not "
+                                 "offered, or artifacts recalibrated since): rerun `scd calibrate --method auto`")
+    if settings.max_kl_vs_raw is not None:
+        bound, rule = settings.max_kl_vs_raw * raw, f"{settings.max_kl_vs_raw:g}x raw's KL (setting)"
+    elif any(p["kl"] <= 0.5 * raw for p in points):
+        bound, rule = 0.5 * raw, "0.5x raw's KL, which some point reaches"
+    else:
+        bound, rule = raw, "raw's KL"
+    pool = [p for p in points if p["kl"] <= bound]
+    if not pool:  # nothing within the bound: the most accurate point, and the reason says so
+        pool, rule = [min(points, key=lambda p: p["kl"])], f"none within {rule}: the most accurate point"
+    ranked = sorted(pool, key=lambda p: expected_ms(p, n_tokens, link_mbps))
+    best, ms = ranked[0], expected_ms(ranked[0], n_tokens, link_mbps)
+    reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {link_mbps:.0f} Mbit/s "
+              f"({link_source}); validation KL {best['kl']:.4f}, bound {bound:.4f} ({rule})")
+    if len(ranked) > 1:
+        nxt = ranked[1]
+        reason += f"; next: {nxt['label']} {expected_ms(nxt, n_tokens, link_mbps):.0f} ms"
+    return Choice(best["method"], dict(best["params"]), best["label"], ms, reason)
+
+
+class LinkEstimator:
+    """Per consumer, the link rate ``auto`` plans for: the best goodput of the last ``window``
+    transfers of at least ``MIN_SAMPLE_BYTES`` (thread-safe)."""
+
+    def __init__(self, window: int = 16):
+        self._rates: dict[str, deque[float]] = {}
+        self._window = window
+        self._lock = threading.Lock()
+
+    def observe(self, consumer: str, wire_bytes: int, transfer_ms: float) -> None:
+        if wire_bytes < MIN_SAMPLE_BYTES or transfer_ms <= 0:
+            return
+        with self._lock:
+            self._rates.setdefault(consumer, deque(maxlen=self._window)).append(
+                wire_bytes * 8 / (transfer_ms / 1e3) / 1e6)
+
+    def estimate(self, consumer: str, setting: float | None = None) -> tuple[float, str]:
+        """(Mbit/s, where it comes from)."""
+        if setting is not None:
+            return setting, "setting"
+        with self._lock:
+            seen = list(self._rates.get(consumer, ()))
+        if not seen:
+            return DEFAULT_LINK_MBPS, "default, nothing measured yet"
+        return max(seen), f"best of {len(seen)} recent transfers"

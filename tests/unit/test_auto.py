@@ -1,0 +1,84 @@
+"""``auto``'s choice from an operating table: the quality bound, the expected time, the link."""
+
+import pytest
+
+from shared.auto import DEFAULT_LINK_MBPS, MIN_SAMPLE_BYTES, AutoSettings, LinkEstimator, choose, expected_ms
+from shared.errors import InvalidRequest, PreconditionFailed
+
+
+def _pt(label, kl, bpt, enc=0.0, rec=0.0):
+    method, _, rest = label.partition(":")
+    params = dict(kv.split("=") for kv in rest.split(",") if kv)
+    return {"label": label, "method": method, "params": params, "pin": "", "kl": kl, "kl_by_kind": {},
+            "bytes_per_token": bpt, "encode_ms_per_token": enc, "reconstruct_ms_per_token": rec}
+
+
+# a drifting pair: raw is far off, a corrector reaches half of raw at a compute cost
+STRONG = {"raw_kl": 0.5, "points": [
+    _pt("oracle", 0.0, 0.0, rec=2.0), _pt("raw", 0.5, 23000), _pt("quant", 0.6, 8000, enc=0.02),
+    _pt("scd", 0.2, 5000, enc=0.05, rec=0.8), _pt("droidspeak", 0.15, 18000, rec=1.0)]}
+# a pair that barely drifts: no point reaches half of raw's KL
+MILD = {"raw_kl": 0.005, "points": [
+    _pt("raw", 0.005, 23000), _pt("quant", 0.008, 8000, enc=0.02), _pt("ridge", 0.0035, 23000, enc=0.1),
+    _pt("ridge:budget=0.4", 0.0045, 9200, enc=0.2, rec=0.05)]}
+
+
+def test_the_bound_is_half_of_raw_where_some_point_reaches_it():
+    c = choose(STRONG, 1000, 1000, "setting")
+    assert c.method == "scd" and "0.5x raw" in c.reason  # droidspeak is within too, but slower
+    assert c.label in c.reason and "1000 Mbit/s" in c.reason and "next: droidspeak" in c.reason
+
+
+def test_without_a_point_at_half_of_raw_the_bound_is_raw_and_the_cheapest_in_time_wins():
+    fast = choose(MILD, 1000, 100, "measured")
+    assert fast.label == "ridge:budget=0.4" and fast.params == {"budget": "0.4"}  # quant is over raw's KL
+    # on a very fast link the bytes stop mattering: raw costs no compute at all
+    assert choose(MILD, 1000, 1e6, "setting").label == "raw"
+
+
+def test_the_oracle_and_methods_not_offered_or_not_usable_are_never_chosen():
+    assert choose(STRONG, 1000, 0.001, "setting").method != "oracle"  # even on a link that crawls
+    c = choose(STRONG, 1000, 1000, "setting", offered={"raw", "quant", "droidspeak"})
+    assert c.method == "droidspeak"
+    c = choose(STRONG, 1000, 1000, "setting", usable=lambda p: p["method"] != "scd")
+    assert c.method == "droidspeak"
+    with pytest.raises(PreconditionFailed, match="calibrate --method auto"):
+        choose(STRONG, 1000, 1000, "setting", offered={"oracle"})
+
+
+def test_an_explicit_bound_and_none_within_it():
+    loose = AutoSettings(max_kl_vs_raw=1.0)  # raw, scd and droidspeak qualify
+    assert choose(STRONG, 1000, 1000, "setting", loose).method == "raw"  # 184 ms on the wire, no compute
+    assert choose(STRONG, 1000, 10, "setting", loose).method == "scd"  # the bytes dominate
+    c = choose(STRONG, 1000, 1000, "setting", AutoSettings(max_kl_vs_raw=0.01))
+    assert c.method == "droidspeak" and "none within" in c.reason  # the most accurate, said so
+
+
+def test_expected_time_is_compute_plus_bytes_over_the_link():
+    p = _pt("x", 0.1, 1000, enc=0.1, rec=0.4)
+    assert expected_ms(p, 2000, 8.0) == pytest.approx(2000 * 0.5 + 2000 * 1000 * 8 / 8e6 * 1e3)
+
+
+def test_settings_are_checked_with_a_message_that_names_them():
+    with pytest.raises(InvalidRequest, match="link_mbps"):
+        AutoSettings.parse({"link_mbps": "-3"})
+    with pytest.raises(InvalidRequest, match="settings: link_mbps, max_kl_vs_raw"):
+        AutoSettings.parse({"bits": "4"})
+    assert AutoSettings.parse({"link_mbps": "250"}).link_mbps == 250
+
+
+def test_the_link_estimate_is_the_best_recent_goodput_of_transfers_big_enough_to_say():
+    links = LinkEstimator(window=3)
+    assert links.estimate("a") == (DEFAULT_LINK_MBPS, "default, nothing measured yet")
+    links.observe("a", 1000, 1.0)  # too small to say anything about the rate
+    assert links.estimate("a")[0] == DEFAULT_LINK_MBPS
+    for ms in (800.0, 200.0, 400.0):
+        links.observe("a", MIN_SAMPLE_BYTES * 100, ms)
+    rate, source = links.estimate("a")
+    assert rate == pytest.approx(MIN_SAMPLE_BYTES * 100 * 8 / 0.2 / 1e6) and source == "best of 3 recent transfers"
+    links.observe("a", MIN_SAMPLE_BYTES * 100, 1000.0)  # the window forgets the oldest, not the best yet
+    links.observe("a", MIN_SAMPLE_BYTES * 100, 1000.0)
+    links.observe("a", MIN_SAMPLE_BYTES * 100, 1000.0)  # now the fast one has left the window
+    assert links.estimate("a")[0] == pytest.approx(MIN_SAMPLE_BYTES * 100 * 8 / 1.0 / 1e6)
+    assert links.estimate("a", setting=42.0) == (42.0, "setting")
+    assert links.estimate("b")[1].startswith("default")
