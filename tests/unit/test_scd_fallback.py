@@ -76,3 +76,19 @@ def test_the_fallback_bound_holds_on_each_kind_of_validation_text(tiny_pair, tmp
         assert fb["bound_met"] and all(fb["by_kind"][k] <= bound[k] for k in bound)
     assert report["reuse_fallback"]["layers"], "a rank-1 code is worse than raw: the bound must add layers"
     assert store.load_meta(folder).reuse_fallback_layers == report["reuse_fallback"]["layers"]
+
+
+def test_an_unreachable_bound_keeps_the_set_that_came_closest_not_every_layer(tiny_pair, tmp_path):
+    """A bound no fallback set can meet: every set the bound tried is reported, and the one kept is
+    the one whose worst kind came closest to its limit."""
+    from tools.calibration.pipeline import _worst
+
+    *_, folder, report = _calibrate_tiny_joint(tiny_pair, tmp_path, 24, r_kv=1, pre_block_ranks=[], block_layers=2,
+                                               fallback_gain=1e9, fallback_bound=1e-6, val_kinds=["qa", "lm", "qa"])
+    fb = report["reuse_fallback"]
+    assert not fb["bound_met"] and fb["bound_path"]
+    tried = [([], fb["kl_without"], fb["by_kind_without"])] + [(s["layers"], s["kl"], s["by_kind"])
+                                                               for s in fb["bound_path"]]
+    closest = min(tried, key=lambda s: _worst(s[2], fb["bound"]))
+    assert (fb["layers"], fb["kl"], fb["by_kind"]) == closest
+    assert store.load_meta(folder).reuse_fallback_layers == fb["layers"]

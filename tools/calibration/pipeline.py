@@ -397,22 +397,36 @@ def _fallback(run: _Run, report: dict, key: str, progress: bool, **kw) -> tuple[
             best = (sorted(order[:n]), kl, kk)
     chosen, kl, kk = best
     limit = {k: cfg.fallback_bound * r for k, r in run.raw_by_kind.items()} if cfg.fallback_bound else {}
-    over = lambda kk: {k: kk[k] / limit[k] for k in limit if kk[k] > limit[k]}  # noqa: E731
     bound_path = []
-    while over(kk) and (rest := [l for l in layers if l not in chosen]):
-        worst = max(over(kk).items(), key=lambda x: x[1])[0]
+    while _worst(kk, limit) > 1 and (rest := [l for l in layers if l not in chosen]):
+        worst = max(limit, key=lambda k: kk[k] / limit[k])
         l = max(rest, key=lambda l: base[worst] - kinds[l][worst])
         chosen = sorted([*chosen, l])
         kl = run.kl(fallback=chosen, **kw)
         kk = by_kind()
-        bound_path.append({"layer": l, "for": worst, "kl": kl, "by_kind": kk})
-    if over(kk):
-        log.warning("%s: even with every REUSE layer falling back, validation KL is over %.2fx raw's on %s",
-                    key, cfg.fallback_bound, sorted(over(kk)))
+        bound_path.append({"layer": l, "for": worst, "layers": chosen, "kl": kl, "by_kind": kk})
+    met = _worst(kk, limit) <= 1
+    if not met:  # out of reach: the set along the way that came closest on its worst kind
+        chosen, kl, kk = bound_pick(best, bound_path, limit)
+        log.warning("%s: no fallback set holds validation KL within %.2fx raw's on every kind; keeping the closest "
+                    "(%s)", key, cfg.fallback_bound, ", ".join(f"{k} {kk[k] / r:.2f}x raw" for k, r in
+                                                              run.raw_by_kind.items()))
     report[key] = {"kl_without": cur_kl, "by_kind_without": base, "gain": {str(l): g for l, g in gains.items()},
-                   "path": path, "bound": limit, "bound_path": bound_path, "bound_met": not over(kk),
+                   "path": path, "bound": limit, "bound_path": bound_path, "bound_met": met,
                    "layers": chosen, "kl": kl, "by_kind": kk}
     return chosen, kl
+
+
+def _worst(by_kind: dict[str, float], limit: dict[str, float]) -> float:
+    """The largest ratio of a kind's KL to its limit (0 without limits)."""
+    return max((by_kind[k] / limit[k] if limit[k] else float("inf") for k in limit), default=0.0)
+
+
+def bound_pick(best: tuple, bound_path: list[dict], limit: dict[str, float]) -> tuple[list[int], float, dict]:
+    """Of the best set by KL and the sets the bound added layers to, the one whose worst kind is
+    closest to its limit: (layers, KL, KL per kind)."""
+    sets = [best] + [(p["layers"], p["kl"], p["by_kind"]) for p in bound_path]
+    return min(sets, key=lambda s: _worst(s[2], limit))
 
 
 def _pre_block_ranks(run: _Run, report: dict, chosen: list[int], cur_kl: float,

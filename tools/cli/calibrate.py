@@ -122,7 +122,8 @@ def calibrate(
         if (fb := report.get(key)) and fb["bound"]:
             kinds = ", ".join(f"{k} {fb['by_kind'][k]:.4f} (bound {b:.4f})" for k, b in fb["bound"].items())
             typer.echo(f"{name}: fallback layers {fb['layers']}; validation KL per kind: {kinds}"
-                       + ("" if fb["bound_met"] else " -- over the bound even with every layer falling back"),
+                       + ("" if fb["bound_met"] else " -- no set of fallback layers holds the bound on every kind: "
+                          "kept the closest"),
                        err=not fb["bound_met"])
     typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "peak_rss_mb": report.get("peak_rss_mb"),
                            "validation": v, "selected_kl": report["selected_kl"]}))

@@ -140,7 +140,7 @@ def serve_producer(
     from producer_service.server import build_server, load_engine
     from producer_service.settings import ProducerSettings
 
-    consumers, producers, offered = {}, set(), ["oracle", "raw", "quant", "scd-reuse", "scd"]
+    consumers, producers, offered = {}, set(), ["oracle", "raw", "quant", "scd-reuse", "scd", "auto"]
     for c in consumer:
         if "=" not in c:
             raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
@@ -241,6 +241,8 @@ def generate(
                    f"prefill {t.prefill_ms:.0f} ms, encode {t.encode_ms:.0f} ms, reconstruct {t.reconstruct_ms:.0f} "
                    f"ms | {t.completion_tokens} tokens at {t.decode_tokens_per_s:.1f} tok/s | finish "
                    f"{res.finish_reason}")
+        if t.auto_reason:
+            typer.echo(f"auto chose {t.auto_reason}")
     if failed:
         raise typer.Exit(1)
 
