@@ -35,9 +35,9 @@ def user_env(tmp: Path) -> dict:
                 PYTHONUNBUFFERED="1")
 
 
-def serve_and_generate(pair: str, prompt: str, env: dict, tmp: Path) -> str:
+def serve_and_generate(pair: str, prompt: str, env: dict, tmp: Path, methods=("scd",)) -> str:
     """``scd serve consumer --pair`` and ``scd serve producer --consumer PAIR=...`` as processes, then
-    ``scd generate --pair``; both services stopped at the end whatever happens."""
+    ``scd generate --pair`` with each method; both services stopped at the end whatever happens."""
     cport, pport = free_port(), free_port()
     procs = []
     try:
@@ -49,8 +49,8 @@ def serve_and_generate(pair: str, prompt: str, env: dict, tmp: Path) -> str:
             wait_for(lambda r=role: "listening on" in (tmp / f"{r}.log").read_text() or procs[-1].poll() is not None,
                      timeout=240, what=f"{role} to listen")
             assert procs[-1].poll() is None, (tmp / f"{role}.log").read_text()[-3000:]
-        return scd("generate", "--producer", f"127.0.0.1:{pport}", "--pair", pair, "--method", "scd",
-                   "--max-new-tokens", "12", prompt, env=env, timeout=300).stdout
+        return "".join(scd("generate", "--producer", f"127.0.0.1:{pport}", "--pair", pair, "--method", m,
+                           "--max-new-tokens", "12", prompt, env=env, timeout=300).stdout for m in methods)
     finally:
         for p in procs:
             p.terminate()
@@ -143,16 +143,24 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
                         ("spectrum", ["--set", "trials=2"]), ("ridge", ["--set", "top_ks=[1]", "--set", "n_val=4"])):
         scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method", kind, "-q", *extra,
             env=env)
+    table = scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method", "auto", "-q",
+                "--set", "n_val=4", env=env)  # last: it scores every method the pair now has
+    points = json.loads(table.stdout.strip().splitlines()[-1])["points"]
+    assert {"raw", "quant", "spectrum", "ridge", "ridge:budget=0.4", "droidspeak", "scd-reuse", "scd"} <= set(points)
     shown = scd("pair", "show", "tiny-lora", env=env).stdout
-    assert shown.count("pinned to these weights") == 4, shown
+    assert shown.count("pinned to these weights") == 5, shown
     res = tmp_path / "eval.json"
     scd("eval", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--n", "4", "--json", str(res),
-        "--methods", "oracle,raw,quant,spectrum,ridge,scd-reuse,scd,droidspeak", env=env)
+        "--methods", "oracle,raw,quant,spectrum,ridge,scd-reuse,scd,droidspeak,auto", env=env)
     body = json.loads(res.read_text())
-    assert set(body["methods"]) == {"oracle", "raw", "quant", "spectrum", "ridge", "scd-reuse", "scd", "droidspeak"}
+    assert set(body["methods"]) == {"oracle", "raw", "quant", "spectrum", "ridge", "scd-reuse", "scd", "droidspeak",
+                                    "auto"}
     assert body["methods"]["oracle"]["kl"] == 0.0 and body["methods"]["raw"]["kl"] > 0
-    text = serve_and_generate("tiny-lora", "river city song. Which word came first?", env, tmp_path)
-    assert "[scd] TTFT" in text and "tokens at" in text
+    assert sum(body["auto_choices"].values()) == body["methods"]["auto"]["n"]
+    assert set(body["auto_choices"]) <= set(points)
+    text = serve_and_generate("tiny-lora", "river city song. Which word came first?", env, tmp_path,
+                              methods=("scd", "auto"))
+    assert "[scd] TTFT" in text and "tokens at" in text and "auto chose " in text
 
 
 def test_data_file_errors_are_clear(tiny_folders, tmp_path):
