@@ -20,6 +20,8 @@ from shared.errors import ConfigError
 
 
 class RidgeSession(DecodeSession):
+    method: "RidgeMap"
+
     def decode_layer(self, layer, tensors):
         tiers = self.method.tiers
         if tiers is None:
