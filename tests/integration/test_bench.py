@@ -191,10 +191,16 @@ def test_bench_cleans_up_on_signal(tiny_dirs, tmp_path, sig):
     import time
 
     sig = getattr(signal, sig)
-    proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "raw", "--bandwidths", "10",
-                                       "--tokens", "400", "--repeats", "200"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+    # SIGINT's default disposition for the bench, as from a terminal (a background job inherits it
+    # ignored), set here and inherited through exec: no Python may run between fork and exec, since
+    # this process may hold gRPC threads of earlier tests (a preexec_fn child aborted with SIGABRT)
+    old = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "raw", "--bandwidths", "10",
+                                           "--tokens", "400", "--repeats", "200"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, old)
     try:
         t0 = time.monotonic()
         while len(_left(proc.pid)) < 2 and time.monotonic() - t0 < 60 and proc.poll() is None:
