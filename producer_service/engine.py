@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
-from shared.auto import AutoSettings, Choice, LinkEstimator, choose
+from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
@@ -164,13 +164,7 @@ class ProducerEngine(Engine):
         reads the artifacts it was measured with (checked once per point)."""
         key = (consumer, point["label"])
         if key not in self._servable:
-            ctx = self.ctxs[consumer]
-            try:
-                self._check_needs(point["method"], ctx, consumer)
-                ok = make_method(point["method"], ctx, point["params"]).pin() == point["pin"]
-            except Exception:  # noqa: BLE001 - a point that cannot be made is not chosen
-                ok = False
-            self._servable[key] = ok
+            self._servable[key] = can_serve(point, self.ctxs[consumer])
         return self._servable[key]
 
     def header(self, p: Prepared, request_id: str, deadline_unix: float) -> StreamHeader:

@@ -97,6 +97,17 @@ def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, setti
     return Choice(best["method"], dict(best["params"]), best["label"], ms, reason)
 
 
+def can_serve(point: dict, ctx) -> bool:
+    """Whether ``point`` can be served with codec context ``ctx`` as it was measured: its method can
+    be made there and reads the artifacts it was measured with (the same pin)."""
+    from shared.codecs import make_method
+
+    try:
+        return make_method(point["method"], ctx, point["params"]).pin() == point["pin"]
+    except Exception:  # noqa: BLE001 - a point that cannot be made is not chosen
+        return False
+
+
 class LinkEstimator:
     """Per consumer, the link rate ``auto`` plans for: the best goodput of the last ``window``
     transfers of at least ``MIN_SAMPLE_BYTES`` (thread-safe)."""

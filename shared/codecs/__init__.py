@@ -70,9 +70,22 @@ def _scalar(v):
     return parsed if isinstance(parsed, (int, float, bool)) else v
 
 
+def parse_variant(label: str) -> tuple[str, dict[str, str]]:
+    """A method variant's label: a kind (``scd``) or a kind with settings (``scd:block_tokens=0.5``,
+    several joined by ``;``, so that labels can be listed with commas) -> (kind, settings)."""
+    kind, _, rest = label.partition(":")
+    params = {}
+    for part in (p for p in rest.split(";") if p):
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"method variant {label!r}: settings are KEY=VALUE, e.g. scd:block_tokens=0.5")
+        params[key] = value
+    return kind, params
+
+
 def make_method(kind: str, ctx: CodecContext, params: dict[str, str] | None = None) -> TransferMethod:
     return CODECS[kind](method_config(kind, params), ctx)
 
 
 __all__ = ["CODECS", "CodecConfig", "CodecContext", "DecodeJob", "DecodeSession", "MethodConfig",
-           "TransferMethod", "check_enabled", "make_method", "method_config"]
+           "TransferMethod", "check_enabled", "make_method", "method_config", "parse_variant"]

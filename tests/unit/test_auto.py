@@ -8,7 +8,7 @@ from shared.errors import InvalidRequest, PreconditionFailed
 
 def _pt(label, kl, bpt, enc=0.0, rec=0.0):
     method, _, rest = label.partition(":")
-    params = dict(kv.split("=") for kv in rest.split(",") if kv)
+    params = dict(kv.split("=") for kv in rest.split(";") if kv)
     return {"label": label, "method": method, "params": params, "pin": "", "kl": kl, "kl_by_kind": {},
             "bytes_per_token": bpt, "encode_ms_per_token": enc, "reconstruct_ms_per_token": rec}
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.codecs import parse_variant
 from tools.bench.netns import BenchError, Testbed, check_privileges
 from tools.bench.services import REPO, Services, ServiceSpec
 
@@ -105,16 +106,11 @@ class Prompts:
 
 # ---------------------------------------------------------------------------------------- requests
 def variant(label: str) -> tuple[str, dict[str, str]]:
-    """A benchmarked method: a kind (``scd``) or a kind with settings (``scd:block_tokens=0.5``,
-    several joined by ``;``), sent as the request's method parameters."""
-    kind, _, rest = label.partition(":")
-    params = {}
-    for part in (p for p in rest.split(";") if p):
-        key, eq, value = part.partition("=")
-        if not eq or not key:
-            raise BenchError(f"method variant {label!r}: settings are KEY=VALUE, e.g. scd:block_tokens=0.5")
-        params[key] = value
-    return kind, params
+    """A benchmarked method (``shared.codecs.parse_variant``), sent as the request's method parameters."""
+    try:
+        return parse_variant(label)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
 
 
 def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix: bool, no_pipelining: bool) -> dict:

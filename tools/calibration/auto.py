@@ -10,8 +10,8 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
-from shared.auto import DEFAULT_LINK_MBPS, AutoSettings, choose
-from shared.codecs import CodecContext, make_method
+from shared.auto import DEFAULT_LINK_MBPS, AutoSettings, can_serve, choose
+from shared.codecs import CodecContext, make_method, parse_variant
 from shared.errors import SCDError
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.prompt import PromptFormat
@@ -20,21 +20,9 @@ from tools.eval.harness import Context, MethodResult, codec_method, evaluate
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("raw", "quant:bits=8", "quant", "spectrum", "spectrum:budget=0.35", "ridge", "ridge:budget=0.5",
-              "ridge:budget=0.4", "ridge:budget=0.3", "ridge:budget=0.48,fp16_share=0",
-              "ridge:budget=0.4,fp16_share=0", "droidspeak", "scd-reuse", "scd")
+              "ridge:budget=0.4", "ridge:budget=0.3", "ridge:budget=0.48;fp16_share=0",
+              "ridge:budget=0.4;fp16_share=0", "droidspeak", "scd-reuse", "scd")
 """Methods and settings scored; those the pair lacks artifacts or a profile for are skipped."""
-
-
-def parse_label(label: str) -> tuple[str, dict[str, str]]:
-    """``method`` or ``method:key=value,key=value`` -> (method, settings)."""
-    kind, _, rest = label.partition(":")
-    params = {}
-    for kv in filter(None, rest.split(",")):
-        k, eq, v = kv.partition("=")
-        if not eq or not k:
-            raise ValueError(f"{label!r}: settings must look like method:key=value,key=value")
-        params[k] = v
-    return kind, params
 
 
 def operating_table(producer: ModelAdapter, consumer: ModelAdapter, fmt: PromptFormat, val_items: Sequence,
@@ -44,10 +32,10 @@ def operating_table(producer: ModelAdapter, consumer: ModelAdapter, fmt: PromptF
     consumer's own prefill per token, and the candidates skipped with why."""
     runners, skipped, pins = {"oracle": codec_method("oracle", pctx, cctx)}, {}, {}
     for label in candidates:
-        kind, params = parse_label(label)
+        kind, params = parse_variant(label)
         try:
             runners[label] = codec_method(kind, pctx, cctx, params)
-            pins[label] = make_method(kind, pctx, params).pin()
+            pins[label] = runners[label].pin()
         except SCDError as e:
             skipped[label] = str(e)
             log.info("auto: %s skipped (%s)", label, e)
@@ -61,7 +49,7 @@ def operating_table(producer: ModelAdapter, consumer: ModelAdapter, fmt: PromptF
     for label in runners:
         if label == "oracle":
             continue
-        kind, params = parse_label(label)
+        kind, params = parse_variant(label)
         m = res[label]
         points.append({"label": label, "method": kind, "params": params, "pin": pins[label], "kl": m["kl"],
                        "kl_by_kind": m["kl_by_kind"], "bytes_per_token": m["bytes_per_token"],
@@ -81,15 +69,12 @@ def auto_runner(table: dict, pctx: CodecContext, cctx: CodecContext, params: dic
     rate = settings.link_mbps or DEFAULT_LINK_MBPS
     source = "setting" if settings.link_mbps else "default"
     cache: dict[str, object] = {}
-    pins = {}
+    servable: dict[str, bool] = {}
 
     def usable(p: dict) -> bool:
-        if p["label"] not in pins:
-            try:
-                pins[p["label"]] = make_method(p["method"], pctx, p["params"]).pin() == p["pin"]
-            except SCDError:
-                pins[p["label"]] = False
-        return pins[p["label"]]
+        if p["label"] not in servable:
+            servable[p["label"]] = can_serve(p, pctx)
+        return servable[p["label"]]
 
     def run(ctx: Context, consumer: ModelAdapter) -> MethodResult:
         n = ctx.producer.n_tokens - ctx.prefix_len

@@ -202,5 +202,5 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
         rec_ms += (time.perf_counter() - t0) * 1e3
         return MethodResult(cache, bytes=nbytes, encode_ms=enc_ms, reconstruct_ms=rec_ms)
 
-    run.hidden_layers, run.residual_layers = enc.hidden_layers(), enc.residual_layers()
+    run.hidden_layers, run.residual_layers, run.pin = enc.hidden_layers(), enc.residual_layers(), enc.pin
     return run
