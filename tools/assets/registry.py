@@ -134,10 +134,12 @@ def _locked():
 
 
 def get(name: str) -> PairEntry:
+    from tools.assets.models import PAIRS
+
     reg = load()
     if name not in reg.pairs:
         known = sorted(reg.pairs)
-        hint = "run `scd assets` to register the built-in pairs" if name in ("strong", "mild") else \
+        hint = "run `scd assets` to register the built-in pairs" if name in PAIRS else \
             "register it with `scd pair add NAME --producer DIR --consumer DIR` (or --consumer-adapter DIR)"
         raise NotFound(f"unknown pair {name!r} (registered: {known or 'none'}; registry {registry_path()}): {hint}")
     return reg.pairs[name]

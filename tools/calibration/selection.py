@@ -33,17 +33,21 @@ class ValPrompt:
 
 def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tuple[list[int], int]],
                 n_new: int = 16, progress: bool = True, stop_ids: Sequence[int] = (),
-                spill_to: SpillDir | None = None) -> list[ValPrompt]:
+                spill_to: SpillDir | None = None, states: Sequence | None = None) -> list[ValPrompt]:
     """Held-out prompts scored like ``scd eval`` scores the test split: the Oracle's greedy
     continuation of up to ``n_new`` tokens, ending at a stop id (the answer), is the teacher-forced
     target. With ``spill_to`` each producer state is written there and read back per tensor (see
-    ``tools.calibration.spill``), so the set's memory does not grow with its tokens x layers."""
+    ``tools.calibration.spill``), so the set's memory does not grow with its tokens x layers.
+    ``states``: the producer's prefill state of each prompt, computed earlier (the producer cache)."""
     out = []
     layers = list(range(producer.n_layers))
     for i, (ids, start) in enumerate(tqdm(prompts, desc="validation set", disable=not progress)):
         ctx = ids[:-1]
-        sp = producer.prefill(ctx, hidden_layers=layers, residual_layers=layers)
-        if spill_to is not None:
+        if states is not None:
+            sp = states[i]
+        else:
+            sp = producer.prefill(ctx, hidden_layers=layers, residual_layers=layers)
+        if spill_to is not None and states is None:
             sp = spill(sp, spill_to, i, producer.device)
         sc = consumer.prefill(ctx)
         cache = consumer.build_cache(sc.keys, sc.values)

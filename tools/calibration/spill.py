@@ -80,15 +80,32 @@ class SpilledState:
         tensors.update({f"v.{i}": v for i, v in enumerate(state.values)})
         tensors.update({f"h.{i}": h for i, h in state.hidden.items()})
         tensors.update({f"r.{i}": r for i, r in state.residual.items()})
+        for name, t in (("ids", state.token_ids), ("logits", state.last_logits)):
+            if t is not None:
+                tensors[name] = t
         save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, path)
+        self._index(path, device)
+
+    @classmethod
+    def reopen(cls, path: Path, device: torch.device) -> "SpilledState":
+        """A state spilled earlier (e.g. by another run: the producer cache), read from ``path``."""
+        st = cls.__new__(cls)
+        st._index(path, device)
+        return st
+
+    def _index(self, path: Path, device: torch.device) -> None:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            self.token_ids = f.get_tensor("ids") if "ids" in names else None
+            self.last_logits = f.get_tensor("logits").to(device) if "logits" in names else None
+            layers = lambda p: sorted(int(n.split(".")[1]) for n in names if n.startswith(p + "."))  # noqa: E731
+            self.n_layers = len(layers("k"))
+            self.n_tokens = f.get_slice("k.0").get_shape()[2]
         self.path, self.device = path, device
-        self.n_layers, self.n_tokens = state.n_layers, state.n_tokens
-        self.token_ids = state.token_ids.cpu() if state.token_ids is not None else None
-        self.last_logits = state.last_logits
         self.keys = _Layers(self, "k", self.n_layers)
         self.values = _Layers(self, "v", self.n_layers)
-        self.hidden = _ByLayer(self, "h", sorted(state.hidden))
-        self.residual = _ByLayer(self, "r", sorted(state.residual))
+        self.hidden = _ByLayer(self, "h", layers("h"))
+        self.residual = _ByLayer(self, "r", layers("r"))
 
     def tensor(self, name: str) -> torch.Tensor:
         with safe_open(self.path, framework="pt", device="cpu") as f:

@@ -17,7 +17,7 @@ def assets(
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """Prepare every built-in asset (idempotent): the producer model, the consumers, the data splits,
-    and the registration of the built-in pairs (strong, mild)."""
+    and the registration of the built-in pairs (strong, mild, code, verse)."""
     setup_logging(verbose)
     from tqdm import tqdm
 
@@ -46,7 +46,7 @@ def assets(
 
 @app.command("train-adapter")
 def train_adapter(
-    pair: str = typer.Option(..., help="strong | mild"),
+    pair: str = typer.Option(..., help="strong | mild | code | verse"),
     out: Optional[Path] = typer.Option(None, help="Output folder (default: artifacts/adapters/PAIR)."),
 ) -> None:
     """Train a built-in consumer's LoRA adapter from the producer (reproduces the committed adapters)."""

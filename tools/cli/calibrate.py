@@ -103,8 +103,15 @@ def calibrate(
                        f"{r['kl']:.4f} vs raw {r['raw_kl']:.4f}")
             typer.echo(json.dumps({k: v for k, v in r.items() if k != "r2_per_layer"}))
             return
-        folder, report = run(pm.producer, pm.consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]),
-                             stop_ids=stop, val_kinds=[it.kind for it in val_items])
+        kinds = [it.kind for it in val_items]
+        if _fast(pm, out, pair, cal, val, cfg):
+            from tools.calibration.fast import calibrate_fast
+
+            folder, report = calibrate_fast(pm.producer, pm.consumer, cal, val, cfg, str(out),
+                                            data_hash(cal[: cfg.fast_prompts]), stop_ids=stop, val_kinds=kinds)
+        else:
+            folder, report = run(pm.producer, pm.consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]),
+                                 stop_ids=stop, val_kinds=kinds)
     except (ValueError, TypeError) as e:
         fail(str(e))
     v = report["validation"]
@@ -127,6 +134,30 @@ def calibrate(
                        err=not fb["bound_met"])
     typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "peak_rss_mb": report.get("peak_rss_mb"),
                            "validation": v, "selected_kl": report["selected_kl"]}))
+
+
+def _fast(pm, out: Path, pair: str, cal: list, val: list, cfg) -> bool:
+    """Whether this run is the fast search: asked for, or ``auto`` for a new member (no artifacts of
+    its own yet) of a producer that another pair in the store was calibrated for."""
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.calibration.fast import producer_cache
+
+    if cfg.search == "full":
+        return False
+    if cfg.search == "auto":
+        fp = weights_fingerprint(pm.producer.model)
+        peers = [m.parent.name for m in out.glob("*/meta.json")
+                 if m.parent.name != pair and json.loads(m.read_text()).get("producer_fingerprint") == fp]
+        if (out / pair / "meta.json").exists() or not peers:
+            typer.echo("full search (" + ("recalibrating an existing pair" if peers else
+                                          "the first pair of this producer") + "; --set search=fast for minutes)",
+                       err=True)
+            return False
+        typer.echo(f"a new member of a producer already calibrated for {sorted(peers)}", err=True)
+    cache = producer_cache(pm.producer, cal, val, cfg)
+    typer.echo(f"fast search (producer cache {cache.path}{'' if cache.ready else ': building it first'}; "
+               "--set search=full for the full search)", err=True)
+    return True
 
 
 def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profile) -> None:

@@ -1,0 +1,89 @@
+"""Calibration settings (``scd calibrate --set KEY=VALUE``): one typed model, validated before any
+model is loaded, recorded in the artifacts' metadata."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CalibrationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pair: str
+    n_prompts: int = Field(64, ge=2)
+    """Calibration prompts (paired traces)."""
+    max_prompt_tokens: int = Field(1024, ge=16)
+    reuse_code: Literal["joint", "separate"] = "joint"
+    """``separate``: the paper's REUSE, one code for K and one for V (ranks r_k, r_v); ``joint``: one
+    code of [K | V] per layer (rank r_kv), which measured better at the same bytes."""
+    r_k: int = Field(96, ge=1)
+    r_v: int = Field(128, ge=1)
+    r_kv: int = Field(224, ge=1)
+    r_h: int = Field(128, ge=1)
+    code_bits: Literal[8, 16] = 8
+    center: bool = True
+    ridge: float = Field(1e-3, ge=0)
+    """Ridge strength relative to the mean input variance."""
+    budget_k: int = Field(6, ge=0)
+    """Patch budget: at most this many PATCH layers."""
+    pool: int = Field(8, ge=1)
+    """Candidate pool size kept after restore-one."""
+    n_val: int = Field(24, ge=1)
+    """Validation prompts for selection and ablations."""
+    val_tokens: int = Field(32, ge=1)
+    """Teacher-forced tokens per validation prompt (the Oracle's greedy continuation)."""
+    aligner_hidden: int = Field(256, ge=1)
+    aligner_steps: int = Field(300, ge=1)
+    aligner_rows: int = Field(4096, ge=64)
+    block_layers: int = Field(12, ge=0)
+    """PATCH block length: the consumer may recompute this many consecutive layers from the
+    producer's residual-stream state at the block's entry (0: no block, the paper's SCD)."""
+    block_exit_kv: Literal["auto", "on", "off"] = "auto"
+    """The layer after the PATCH block from the block's output state (no bytes, two projections):
+    ``auto`` keeps it when validation KL does not rise by more than ``tolerance``."""
+    pre_block_ranks: list[int] = [32, 64, 96, 128]
+    """Joint-code ranks tried on the REUSE layers before the PATCH block (where drift matters
+    little); the smallest whose validation KL is within ``tolerance`` of the full rank's is kept.
+    Empty: every layer at ``r_kv``."""
+    block_min_layers: int = Field(8, ge=1)
+    """The PATCH block is shortened (two layers at a time, down to this length) while its validation
+    KL stays within ``tolerance`` of the ``block_layers``-long block's: less consumer compute."""
+    tolerance: float = Field(0.05, ge=0)
+    """Relative rise of validation KL accepted for fewer bytes or less compute (exit layer, block
+    length, pre-block ranks)."""
+    fallback: bool = True
+    """Check each REUSE layer's code on validation: where the producer's own K/V (int8 per token,
+    as ``quant`` sends them) do better, the layer falls back to them (for ``scd`` and, chosen
+    separately, ``scd-reuse``), so neither is worse than raw transfer on the layers it codes."""
+    fallback_gain: float = Field(0.02, ge=0)
+    """A layer falls back only when that alone lowers validation KL by more than this share (the
+    fallback costs ~2-4x the code's bytes on that layer)."""
+    fallback_bound: float | None = Field(0.9, gt=0)
+    """After the best fallback set, each kind of validation text (QA, LM) must score at most this
+    share of raw transfer's KL on that kind; layers fall back one at a time (the most helpful to the
+    kind furthest over) until it holds, up to every REUSE layer. None: no bound. The margin below 1
+    is for text that calibration never sees."""
+    patch_compute_cost: float = Field(0.25, ge=0)
+    """Consumer compute of a PATCH layer, in units of one REUSE layer's bytes, for gain per cost."""
+    ablations: bool = True
+    """Sweep patch budget k and r_K, r_V on the validation split (adds minutes)."""
+    spill_dir: str | None = None
+    """Where validation states and memoized K/V are spilled (default: ``$SCD_HOME/spill``); removed
+    when calibration ends."""
+    seed: int = 0
+    search: Literal["auto", "full", "fast"] = "auto"
+    """``full``: every stage above (tens of minutes on 2 cores). ``fast``: the search for a new
+    consumer of an already-calibrated producer (``tools.calibration.fast``): the producer's side comes
+    from its cache, the consumer fits its own side on ``fast_prompts`` prompts, the block is screened
+    on a few validation prompts, no PATCH layers, fallback layers ranked from the traces (minutes).
+    ``auto``: ``fast`` when the producer's cache for these prompts exists, else ``full``."""
+    fast_prompts: int = Field(12, ge=2)
+    """Calibration prompts of the fast search (and of the producer cache)."""
+    fast_val: int = Field(8, ge=2)
+    """Validation prompts of the fast search (QA and LM interleaved)."""
+    fast_screen: int = Field(4, ge=1)
+    """Validation prompts on which the fast search screens the block's placements."""
+    fast_stride: int = Field(3, ge=1)
+    """Layers between the block placements the fast search screens."""
