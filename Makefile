@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick calibrate eval soak
+.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak
 
 install: $(STAMP)
 
@@ -57,11 +57,20 @@ soak: install assets
 bench-quick: install assets
 	$(SCD) bench --quick --json results/bench_quick.json
 
+# one producer in front of the four built-in consumers, mixed traffic: Oracle vs fixed methods vs auto
+bench-fleet: install assets
+	$(SCD) bench --fleet --json results/bench_fleet.json
+
+# the committed artifacts of every built-in pair: strong and mild by the full search (~40 min each),
+# then code and verse as new members of the calibrated producer (the fast search, ~2-3 min each);
+# each pair's profiles, and last its operating table (auto)
 calibrate: install assets
-	$(SCD) calibrate --pair strong --out artifacts/store
-	$(SCD) calibrate --pair strong --method droidspeak --out artifacts/store
-	$(SCD) calibrate --pair strong --method spectrum --out artifacts/store
-	$(SCD) calibrate --pair strong --method ridge --out artifacts/store
+	$(SCD) calibrate --pair strong --out artifacts/store --set search=full
+	$(SCD) calibrate --pair mild --out artifacts/store --set search=full
+	$(SCD) calibrate --pair code --out artifacts/store --set search=fast
+	$(SCD) calibrate --pair verse --out artifacts/store --set search=fast
+	for p in strong mild code verse; do for m in droidspeak spectrum ridge auto; do \
+	  $(SCD) calibrate --pair $$p --method $$m --out artifacts/store || exit 1; done; done
 
 eval: install assets
 	$(SCD) eval --pair strong --methods oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd --n 48 --json results/eval_all_strong_on.json

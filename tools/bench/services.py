@@ -62,8 +62,10 @@ class Services:
         env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, PYTHONUNBUFFERED="1", **self.spec.extra_env)
         return env
 
-    def _start(self, role: str, ns: str, args: list[str]) -> None:
+    def _start(self, role: str, ns: str, args: list[str], name: str | None = None) -> None:
+        """``scd serve ROLE ARGS`` in namespace ``ns``, known (logs, errors) as ``name`` (default: the role)."""
         cmd = [*self.tb.exec_prefix(ns), sys.executable, "-m", "tools.cli", "serve", role, *args]
+        role = name or role
         path = self.log_dir / f"{role}.log"
         self.logs[role] = path
         log.info("starting %s: %s", role, " ".join(cmd))

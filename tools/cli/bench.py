@@ -53,6 +53,12 @@ def bench(
     store: Optional[str] = typer.Option(None, help="Artifact store (default: the repo's artifacts/store)."),
     kl_json: Optional[str] = typer.Option(None, help="scd eval JSON with each method's KL, for the quality-aware "
                                                      "target (default: results/eval_all_PAIR_on.json)."),
+    fleet: bool = typer.Option(False, help="One producer in front of every built-in consumer, mixed traffic: the "
+                                           "Oracle vs fixed methods vs auto (--methods: the policies; --repeats: "
+                                           "prompts per policy, each asked of every consumer; --quick: 3 prompts)."),
+    clients: int = typer.Option(2, min=1, help="--fleet: requests in flight at once."),
+    pairs: Optional[str] = typer.Option(None, help="--fleet: registered pairs sharing one producer, comma-separated "
+                                                   "(default strong,mild,code,verse)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
@@ -70,6 +76,9 @@ def bench(
         except ValueError:
             raise typer.BadParameter(f"expected comma-separated numbers, got {s!r}") from None
 
+    if fleet:
+        _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device, dtype, json_out, png_out, pairs)
+        return
     cfg = BenchConfig(argv=sys.argv[1:], delay_ms=delay_ms, pair=pair, pipelining=pipelining,
                       producer_model=producer_model, consumer_model=consumer_model, store=store, kl_json=kl_json,
                       device=device, dtype=dtype)
@@ -98,6 +107,43 @@ def bench(
     if png_out:
         typer.echo(f"plot: {report.png(res, png_out)}", err=True)
     print(report.final_line(res, json_out))
+
+
+def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device, dtype, json_out, png_out,
+           pairs) -> None:
+    from tools.bench import fleet as fl
+    from tools.bench.netns import BenchError
+
+    cfg = fl.FleetConfig(clients=clients, device=device, dtype=dtype, argv=sys.argv[1:])
+    if quick:
+        cfg.prompts = 3
+    if pairs:
+        cfg.pairs = tuple(p for p in pairs.split(",") if p)
+    if methods:
+        cfg.policies = tuple(m for m in methods.split(",") if m)
+    try:
+        if bandwidths:
+            cfg.link_mbit = float(bandwidths.split(",")[0])
+        if tokens:
+            cfg.tokens = int(tokens.split(",")[0])
+    except ValueError:
+        raise typer.BadParameter("--bandwidths and --tokens take numbers") from None
+    if repeats:
+        cfg.prompts = repeats
+    if threads:
+        cfg.threads = threads
+    try:
+        res = fl.run(cfg)
+    except BenchError as e:
+        fail(str(e))
+    typer.echo(fl.table(res))
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(res, indent=2) + "\n")
+    png_out = png_out or (json_out.with_suffix(".png") if json_out else None)
+    if png_out:
+        typer.echo(f"plot: {fl.png(res, png_out)}", err=True)
+    print(fl.final_line(res, json_out))
 
 
 @app.command()

@@ -1,0 +1,63 @@
+"""``scd bench --fleet`` in its smallest form: one tiny producer in front of two tiny consumers over
+real network namespaces (no timings asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.model.tiny import perturbed, save_pretrained, tiny_model, tiny_tokenizer
+from tests.integration.test_bench import _left, needs_netns
+
+
+@pytest.fixture(scope="module")
+def fleet_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    base, tok = tiny_model("llama", n_layers=4), tiny_tokenizer()
+    dirs = {}
+    for name, model in (("producer", base), ("a", perturbed(base, 0.2)), ("b", perturbed(base, 0.1))):
+        dirs[name] = Path(save_pretrained(model, root / name, tok))
+    env = dict(os.environ, SCD_PAIRS=str(root / "pairs.json"), OMP_NUM_THREADS="1")
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-m", "tools.cli", "pair", "add", name, "--producer", str(dirs["producer"]),
+                        "--consumer", str(dirs[name]), "--store", str(root / "store")], env=env, check=True,
+                       capture_output=True)
+    return env, root
+
+
+@needs_netns
+def test_fleet_bench_smallest_form(fleet_env, tmp_path):
+    env, root = fleet_env
+    out = tmp_path / "fleet.json"
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "bench", "--fleet", "--pairs", "a,b", "--methods",
+                             "oracle,raw", "--tokens", "100", "--bandwidths", "100", "--repeats", "2", "--clients", "2",
+                             "--threads", "1", "--json", str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not _left(proc.pid), "the benchmark left its namespaces behind"
+    line = json.loads(stdout.strip().splitlines()[-1])
+    res = json.loads(out.read_text())
+    pol = {r["policy"]: r for r in res["policies"]}
+    assert set(line["fleet"]) == set(pol) == {"oracle", "raw"}
+    for r in pol.values():
+        assert r["requests"] == 4  # 2 prompts x 2 consumers
+        assert sorted(x["consumer"] for x in r["runs"]) == ["a", "a", "b", "b"]
+        assert r["throughput_rps"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0
+    assert pol["raw"]["bytes_per_request"] > 10 * pol["oracle"]["bytes_per_request"] > 0
+    assert pol["oracle"]["mean_kl"] == 0.0 and pol["raw"]["mean_kl"] is None  # no operating tables here
+    assert pol["oracle"]["throughput_vs_oracle"] == 1.0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fleet_refuses_pairs_of_different_producers_and_unknown_pairs(fleet_env, monkeypatch):
+    from tools.bench import fleet
+    from tools.bench.netns import BenchError
+
+    env, root = fleet_env
+    monkeypatch.setenv("SCD_PAIRS", env["SCD_PAIRS"])
+    with pytest.raises(BenchError, match="not registered"):
+        fleet._members(fleet.FleetConfig(pairs=("a", "nope")))
