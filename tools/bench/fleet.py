@@ -60,19 +60,20 @@ class FleetServices(Services):
 
     def start(self, timeout_s: float = 900.0) -> "FleetServices":
         s, tb = self.spec, self.tb
-        common = ["--set", f"methods=[{','.join(s.methods)}]", "--set", "server.grace_s=1",
-                  "--set", f"model.device={s.device}", "--set", f"model.dtype={s.dtype}"]
+        common = ["--set", "server.grace_s=1", "--set", f"model.device={s.device}", "--set", f"model.dtype={s.dtype}"]
+        concrete = [m for m in s.methods if m != "auto"]  # auto is the producer's choice; consumers see its pick
         links = []
         for i, (name, model, adapter, store) in enumerate(self.members):
             port = CONSUMER_PORT + 1 + i
             self._start("consumer", tb.consumer_ns, [
                 "--name", name, "--model", model, *(["--adapter", adapter] if adapter else []),
-                "--host", tb.consumer_addr, "--port", str(port), "--store", store, *common], name=f"consumer-{name}")
+                "--host", tb.consumer_addr, "--port", str(port), "--store", store, "--set",
+                f"methods=[{','.join(concrete)}]", *common], name=f"consumer-{name}")
             links += ["--consumer", f"{name}={tb.consumer_addr}:{port}"]
         self._start("producer", tb.producer_ns, [
             *links, "--model", s.producer_model, "--host", tb.client_addr, "--port", str(PRODUCER_PORT),
             "--set", f"prefill_cache_entries={s.prefill_cache_entries}", "--set", f"default_method={s.methods[0]}",
-            "--store", s.store, *common])
+            "--store", s.store, "--set", f"methods=[{','.join(s.methods)}]", *common])
         t0, waiting = time.monotonic(), set(self.procs)
         while waiting:
             for role in list(waiting):
