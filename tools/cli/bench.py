@@ -99,14 +99,7 @@ def bench(
         res = run(cfg)
     except BenchError as e:
         fail(str(e))
-    typer.echo(report.table(res))
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2) + "\n")
-    png_out = png_out or (json_out.with_suffix(".png") if json_out else None)
-    if png_out:
-        typer.echo(f"plot: {report.png(res, png_out)}", err=True)
-    print(report.final_line(res, json_out))
+    _emit(res, report, json_out, png_out)
 
 
 def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device, dtype, json_out, png_out,
@@ -136,14 +129,20 @@ def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device
         res = fl.run(cfg)
     except BenchError as e:
         fail(str(e))
-    typer.echo(fl.table(res))
+    _emit(res, fl, json_out, png_out)
+
+
+def _emit(res: dict, fmt, json_out: Optional[Path], png_out: Optional[Path]) -> None:
+    """A benchmark's table, JSON file, plot (beside the JSON unless named) and final JSON line;
+    ``fmt``: the module with its ``table``, ``png`` and ``final_line``."""
+    typer.echo(fmt.table(res))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(res, indent=2) + "\n")
     png_out = png_out or (json_out.with_suffix(".png") if json_out else None)
     if png_out:
-        typer.echo(f"plot: {fl.png(res, png_out)}", err=True)
-    print(fl.final_line(res, json_out))
+        typer.echo(f"plot: {fmt.png(res, png_out)}", err=True)
+    print(fmt.final_line(res, json_out))
 
 
 @app.command()
