@@ -74,18 +74,7 @@ class FleetServices(Services):
             *links, "--model", s.producer_model, "--host", tb.client_addr, "--port", str(PRODUCER_PORT),
             "--set", f"prefill_cache_entries={s.prefill_cache_entries}", "--set", f"default_method={s.methods[0]}",
             "--store", s.store, "--set", f"methods=[{','.join(s.methods)}]", *common])
-        t0, waiting = time.monotonic(), set(self.procs)
-        while waiting:
-            for role in list(waiting):
-                if self.procs[role].poll() is not None:
-                    raise BenchError(f"the {role} exited ({self.procs[role].returncode}) while starting:\n"
-                                     f"{self.tail(role)}")
-                if "listening on" in self.logs[role].read_text(errors="replace"):
-                    waiting.discard(role)
-            if time.monotonic() - t0 > timeout_s:
-                raise BenchError(f"{sorted(waiting)} not listening after {timeout_s:.0f} s")
-            time.sleep(0.2)
-        return self
+        return self.wait_listening(timeout_s)
 
 
 def _members(cfg: FleetConfig):

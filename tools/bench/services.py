@@ -86,6 +86,11 @@ class Services:
             "--consumer", f"{s.consumer_name}={tb.consumer_addr}:{CONSUMER_PORT}", "--model", s.producer_model,
             "--host", tb.client_addr, "--port", str(PRODUCER_PORT), "--set", f"default_method={s.methods[0]}",
             "--set", f"prefill_cache_entries={s.prefill_cache_entries}", *common])
+        return self.wait_listening(timeout_s)
+
+    def wait_listening(self, timeout_s: float):
+        """Wait until every started service logs that it listens; a service that exits first, or a
+        timeout, is a BenchError with the log's tail."""
         t0 = time.monotonic()
         waiting = set(self.procs)
         while waiting:
