@@ -70,6 +70,7 @@ class FleetServices(Services):
                 "--host", tb.consumer_addr, "--port", str(port), "--store", store, "--set",
                 f"methods=[{','.join(concrete)}]", *common], name=f"consumer-{name}")
             links += ["--consumer", f"{name}={tb.consumer_addr}:{port}"]
+        self.wait_listening(timeout_s)  # every consumer before the producer (see wait_listening)
         self._start("producer", tb.producer_ns, [
             *links, "--model", s.producer_model, "--host", tb.client_addr, "--port", str(PRODUCER_PORT),
             "--set", f"prefill_cache_entries={s.prefill_cache_entries}", "--set", f"default_method={s.methods[0]}",

@@ -82,6 +82,7 @@ class Services:
             "--name", s.consumer_name, "--model", s.consumer_model,
             *(["--adapter", s.consumer_adapter] if s.consumer_adapter else []), "--host", tb.consumer_addr,
             "--port", str(CONSUMER_PORT), *common])
+        self.wait_listening(timeout_s)  # before the producer: see wait_listening
         self._start("producer", tb.producer_ns, [
             "--consumer", f"{s.consumer_name}={tb.consumer_addr}:{CONSUMER_PORT}", "--model", s.producer_model,
             "--host", tb.client_addr, "--port", str(PRODUCER_PORT), "--set", f"default_method={s.methods[0]}",
@@ -90,7 +91,10 @@ class Services:
 
     def wait_listening(self, timeout_s: float):
         """Wait until every started service logs that it listens; a service that exits first, or a
-        timeout, is a BenchError with the log's tail."""
+        timeout, is a BenchError with the log's tail. Consumers must listen before the producer
+        starts: the producer probes them at start-up, and a channel whose first connection was
+        refused sits in gRPC's reconnect backoff, failing requests at once (UNAVAILABLE) until it
+        retries, which under load outlasted the first request."""
         t0 = time.monotonic()
         waiting = set(self.procs)
         while waiting:
