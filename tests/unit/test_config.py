@@ -44,13 +44,27 @@ def test_k8s_manifests_have_probes_and_gpus():
 def test_compose_wires_the_two_containers():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert {"producer", "consumer-strong"} <= set(compose["services"])
-    assert "artifacts" in compose["volumes"]
+    assert "store" in compose["volumes"]
 
 
 def test_env_beats_file_and_flags_beat_env(monkeypatch):
     monkeypatch.setenv("CONSUMER__MAX_NEW_TOKENS", "77")
     assert ConsumerSettings.load(DEPLOY / "consumer.yaml").max_new_tokens == 77
     assert ConsumerSettings.load(DEPLOY / "consumer.yaml", ["max_new_tokens=9"]).max_new_tokens == 9
+
+
+def test_a_partial_sub_setting_keeps_the_sub_models_defaults(monkeypatch, tmp_path):
+    # the consumer's server default is port 50052; setting only its host (a container's 0.0.0.0, from
+    # the environment, a file or a flag) must not fall back to ServerSettings' own port 0 (a random port)
+    monkeypatch.setenv("CONSUMER__SERVER__HOST", "0.0.0.0")
+    s = ConsumerSettings.load(overrides=["model.path=/x"])
+    assert (s.server.host, s.server.port) == ("0.0.0.0", 50052)
+    monkeypatch.delenv("CONSUMER__SERVER__HOST")
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: /x}\nserver: {grace_s: 3}\n")
+    s = ConsumerSettings.load(f, ["server.host=10.0.0.1"])
+    assert (s.server.host, s.server.port, s.server.grace_s) == ("10.0.0.1", 50052, 3.0)
+    assert ProducerSettings.load(overrides=["model.path=/x", "server.host=0.0.0.0"]).server.port == 50051
 
 
 def test_bad_settings_say_what_to_fix(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +16,9 @@ from tools.cli.common import fail, setup_logging
 @app.command()
 def assets(
     force_data: bool = typer.Option(False, help="Rebuild the evaluation data even if present."),
+    store: Optional[Path] = typer.Option(None, help="A shared artifact store (a mounted volume) to publish the "
+                                                  "built-in pairs' committed artifacts into; files that differ are "
+                                                  "replaced."),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """Prepare every built-in asset (idempotent): the producer model, the consumers, the data splits,
@@ -32,16 +37,43 @@ def assets(
     steps.append(("data splits", lambda: data.is_ready() and not force_data or data.build(load_tokenizer())))
     steps += [(f"register {p}", lambda p=p: registry.add(p, producer_dir(), consumer_dir(p), builtin=True,
                                                           replace=True)) for p in PAIRS]
+    from shared.paths import scd_home
+
     try:
-        with tqdm(steps, desc="assets", unit="step") as bar:
+        with _exclusive(scd_home() / "assets.lock"), tqdm(steps, desc="assets", unit="step") as bar:
             for name, fn in bar:
                 bar.set_postfix_str(name)
                 fn()
     except SCDError as e:
         fail(str(e))
-    from shared.paths import scd_home
 
+    if store is not None:
+        from tools.assets.shared_store import publish
+
+        try:
+            written, current = publish(store)
+        except OSError as e:
+            fail(f"cannot publish the artifact store into {store}: {e}")
+        typer.echo(f"artifact store {store}: {written} files written, {current} already current")
     typer.echo(f"assets ready under {scd_home()}; pairs registered in {registry.registry_path()}")
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """One ``scd assets`` at a time per SCD_HOME: two pods' init containers on one shared volume
+    would otherwise convert into the same temporary folders. The second waits, then finds every
+    step done (each is idempotent)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            typer.echo(f"waiting for another `scd assets` on {path.parent} to finish", err=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @app.command("train-adapter")

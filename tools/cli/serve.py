@@ -104,10 +104,13 @@ def serve_consumer(
         pair = pair or name or "strong"
         e = _registered(pair)
         if e is None:
+            from shared.errors import SCDError
             from tools.assets import registry
 
-            fail(f"unknown pair {pair!r} (registered: {registry.names() or 'none'}); register it with `scd pair add` "
-                 "or give --model")
+            try:
+                registry.get(pair)  # raises, with the command that registers it (scd assets for a built-in pair)
+            except SCDError as err:
+                fail(f"{err}; or give --model")
         name = name or e.name
         if model is None:
             model, adapter = e.consumer_model()
