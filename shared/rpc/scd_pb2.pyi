@@ -217,3 +217,35 @@ class ConsumerInfo(_message.Message):
     n_layers: int
     protocol_version: int
     def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., n_layers: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("layers", "wire_bytes")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    wire_bytes: int
+    def __init__(self, layers: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LookupEntry(_message.Message):
+    __slots__ = ("key", "n_tokens", "state", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    n_tokens: int
+    state: str
+    error: str
+    def __init__(self, key: _Optional[str] = ..., n_tokens: _Optional[int] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[LookupEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[LookupEntry, _Mapping]]] = ...) -> None: ...

@@ -211,3 +211,118 @@ class Consumer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVReceiverStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Push = channel.stream_unary(
+                '/scd.v1.KVReceiver/Push',
+                request_serializer=shared_dot_rpc_dot_scd__pb2.KVFrame.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_scd__pb2.PushReply.FromString,
+                _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/scd.v1.KVReceiver/Lookup',
+                request_serializer=shared_dot_rpc_dot_scd__pb2.LookupRequest.SerializeToString,
+                response_deserializer=shared_dot_rpc_dot_scd__pb2.LookupReply.FromString,
+                _registered_method=True)
+
+
+class KVReceiverServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Push(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVReceiverServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Push': grpc.stream_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=shared_dot_rpc_dot_scd__pb2.KVFrame.FromString,
+                    response_serializer=shared_dot_rpc_dot_scd__pb2.PushReply.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=shared_dot_rpc_dot_scd__pb2.LookupRequest.FromString,
+                    response_serializer=shared_dot_rpc_dot_scd__pb2.LookupReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'scd.v1.KVReceiver', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('scd.v1.KVReceiver', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVReceiver:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/scd.v1.KVReceiver/Push',
+            shared_dot_rpc_dot_scd__pb2.KVFrame.SerializeToString,
+            shared_dot_rpc_dot_scd__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scd.v1.KVReceiver/Lookup',
+            shared_dot_rpc_dot_scd__pb2.LookupRequest.SerializeToString,
+            shared_dot_rpc_dot_scd__pb2.LookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,1 @@
+"""Integrations of the project's transfer methods into engines an operator already runs."""

@@ -1,0 +1,177 @@
+"""The vLLM connector's two ends without vLLM (integrations/vllm_connector/transfers.py): a producer's
+stream over real gRPC into a consumer engine's receiver, on the tiny pair; what the receiver refuses."""
+
+import grpc
+import pytest
+import torch
+
+from integrations.vllm_connector.engine_model import EngineModel
+from integrations.vllm_connector.transfers import (
+    Outgoing,
+    Receiver,
+    TransferFailed,
+    check_method,
+    make_header,
+    prompt_key,
+    serve_receiver,
+)
+from shared.codecs import CodecContext, make_method
+from shared.errors import UnknownMethod
+from shared.model.hf_adapter import ModelAdapter
+from shared.rpc import scd_pb2 as pb
+from shared.rpc import scd_pb2_grpc as pbg
+
+IDS = list(range(3, 3 + 41))  # 40 transferred positions and the one the consumer computes
+
+
+@pytest.fixture(scope="module")
+def ends(tiny_pair):
+    producer, consumer = tiny_pair
+    pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
+    receiver = Receiver(cm, CodecContext(cm))
+    server, port = serve_receiver(receiver, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield producer, pm, receiver, pbg.KVReceiverStub(channel)
+    channel.close()
+    server.stop(0)
+
+
+def send(producer: ModelAdapter, pm: EngineModel, stub, kind="raw", params=None, corrupt_layer=None, ids=IDS):
+    """A producer engine's transfer: the prefill's K/V as a paged cache holds them (rotated), un-rotated
+    by the connector and encoded layer by layer."""
+    method = make_method(kind, CodecContext(pm), params)
+    state = producer.prefill(ids[:-1])
+    out = Outgoing(stub, method, make_header(method, "fp-producer", prompt_key(ids[:-1]), ids, pm.n_layers, 30), 30)
+    if corrupt_layer is not None:  # flip one byte of one chunk of that layer, after its checksum was taken
+        real = out._q.put
+
+        def put(frame):
+            if frame is not None and frame.WhichOneof("body") == "chunk" and frame.chunk.layer == corrupt_layer:
+                data = bytearray(frame.chunk.data)
+                data[len(data) // 2] ^= 0x40
+                frame.chunk.data = bytes(data)
+            real(frame)
+
+        out._q.put = put
+    for layer in range(pm.n_layers):
+        paged = pm.apply_rope(state.keys[layer])  # what the producer engine's cache holds
+        out.add_layer(layer, pm.remove_rope(paged), state.values[layer])
+    return out.close(30), state
+
+
+def test_engine_model_rope_matches_the_adapter_and_inverts(tiny_pair):
+    producer, _ = tiny_pair
+    em = EngineModel(producer.config)
+    k = torch.randn(1, em.n_kv_heads, 17, em.head_dim)
+    torch.testing.assert_close(em.apply_rope(k, 5), producer.apply_rope(k, 5))
+    torch.testing.assert_close(em.remove_rope(em.apply_rope(k, 5), 5), k, atol=1e-5, rtol=1e-5)
+
+
+def test_raw_arrives_layer_by_layer_as_the_producers_own_kv(ends):
+    producer, pm, receiver, stub = ends
+    reply, state = send(producer, pm, stub)
+    assert reply.layers == pm.n_layers and reply.wire_bytes > 0
+    key = prompt_key(IDS[:-1])
+    (entry,) = receiver.lookup([key, "0" * 32])  # keys it does not hold are absent
+    assert (entry.state, entry.n_tokens) == ("ready", len(IDS) - 1)
+    t = receiver.claim(key)
+    for layer in range(pm.n_layers):
+        k, v = t.layer(layer, 1.0)  # [T, H, D], rotated: what the consumer's paged cache must hold
+        want_k = pm.apply_rope(state.keys[layer].half().float())[0].transpose(0, 1)
+        torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, state.values[layer].half().float()[0].transpose(0, 1))
+    receiver.done(key)  # kept for later prompts with the same prefix
+    assert [e.state for e in receiver.lookup([key])] == ["ready"]
+    receiver.release(key)
+    assert receiver.lookup([key]) == []
+
+
+def test_quant_is_within_its_bound(ends):
+    producer, pm, receiver, stub = ends
+    ids = IDS[:30]
+    send(producer, pm, stub, "quant", {"bits": "8"}, ids=ids)
+    t = receiver.claim(prompt_key(ids[:-1]))
+    state = producer.prefill(ids[:-1])
+    k, _ = t.layer(2, 1.0)
+    want = pm.apply_rope(state.keys[2])[0].transpose(0, 1)
+    assert float((k - want).norm() / want.norm()) < 0.02
+    receiver.release(t.key)
+
+
+def test_a_corrupted_byte_fails_the_transfer_and_nothing_of_it_is_served(ends):
+    producer, pm, receiver, stub = ends
+    ids = IDS[:25]
+    with pytest.raises(grpc.RpcError) as e:
+        send(producer, pm, stub, corrupt_layer=2, ids=ids)
+    assert e.value.code() == grpc.StatusCode.DATA_LOSS and "crc32c" in e.value.details()
+    (entry,) = receiver.lookup([prompt_key(ids[:-1])])
+    assert entry.state == "failed" and "crc32c" in entry.error
+    t = receiver.claim(entry.key)
+    assert t.layers == {}  # the layers decoded before the bad one are dropped too
+    with pytest.raises(TransferFailed):
+        t.layer(0, 0.1)
+    receiver.release(entry.key)
+
+
+def test_the_receiver_refuses_what_it_cannot_check(ends):
+    producer, pm, receiver, stub = ends
+    method = make_method("raw", CodecContext(pm))
+    h = make_header(method, "fp", "0" * 32, IDS, pm.n_layers, 30)  # a request_id that is not the prompt's key
+    from shared.rpc.wire import header_frame
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Push(iter([header_frame(h)]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_key" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # frames before a header
+        stub.Push(iter([pb.KVFrame(trailer=pb.Trailer())]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in e.value.details()
+    with pytest.raises(UnknownMethod, match="PATCH block"):
+        check_method("scd")
+    with pytest.raises(UnknownMethod, match="runs"):
+        check_method("magic")
+
+
+def test_a_pinned_producer_fingerprint_is_enforced(tiny_pair):
+    producer, consumer = tiny_pair
+    pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
+    receiver = Receiver(cm, CodecContext(cm), producer_fingerprint="fp-right")
+    server, port = serve_receiver(receiver, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as e:
+            send(producer, pm, pbg.KVReceiverStub(ch), ids=IDS[:12])
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fp-right" in e.value.details()
+    finally:
+        server.stop(0)
+
+
+def test_the_held_bytes_are_bounded(tiny_pair):
+    producer, consumer = tiny_pair
+    pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
+    receiver = Receiver(cm, CodecContext(cm), max_bytes=10_000)
+    server, port = serve_receiver(receiver, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as e:
+            send(producer, pm, pbg.KVReceiverStub(ch))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_held_bytes" in e.value.details()
+    finally:
+        server.stop(0)
+
+
+def test_held_transfers_make_room_least_recently_used_first(tiny_pair):
+    producer, consumer = tiny_pair
+    pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
+    one = 2 * cm.n_layers * 20 * cm.kv_dim * 4  # the decoded bytes of a 20-position transfer
+    receiver = Receiver(cm, CodecContext(cm), max_bytes=2 * one)
+    server, port = serve_receiver(receiver, "127.0.0.1:0")
+    prompts = [[7 + i] * 21 for i in range(3)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pbg.KVReceiverStub(ch)
+            send(producer, pm, stub, ids=prompts[0])
+            send(producer, pm, stub, ids=prompts[1])
+            receiver.claim(prompt_key(prompts[0][:-1]))  # a load of the first is under way: it must stay
+            send(producer, pm, stub, ids=prompts[2])  # evicts the second, the least recently used unclaimed
+        held = {e.key for e in receiver.lookup([prompt_key(p[:-1]) for p in prompts])}
+        assert held == {prompt_key(prompts[0][:-1]), prompt_key(prompts[2][:-1])}
+    finally:
+        server.stop(0)
