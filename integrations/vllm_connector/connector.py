@@ -7,7 +7,9 @@ Load it into an engine with::
                            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'
 
 Producer role (the base model's engine), ``kv_connector_extra_config``: ``consumer`` (``host:port`` of
-the consumer engine's receiver), ``method`` (``raw``, ``quant`` or ``scd-reuse``), ``method_params``
+the consumer engine's receiver) and/or ``consumers`` (name -> ``host:port``: a request picks one with
+``kv_transfer_params: {"scd_consumer": NAME}``, and its method with ``scd_method`` / ``scd_method_params``),
+``method`` (``raw``, ``quant`` or ``scd-reuse``), ``method_params``
 (strings, as ``method_params`` of the services), ``artifacts`` (the pair's folder in the artifact
 store, for ``scd-reuse``), ``timeout_s``. Each prompt of at least one full block is transferred as the
 engine prefills it: ``save_kv_layer`` reads the layer's K/V of the prompt's full blocks from the paged
@@ -31,7 +33,6 @@ Both roles write their counters to ``stats_file`` (JSON) when it is set. One wor
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import tempfile
@@ -47,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 from integrations.vllm_connector import paged
 from integrations.vllm_connector.engine_model import EngineModel
@@ -61,7 +63,7 @@ from integrations.vllm_connector.transfers import (
     serve_receiver,
 )
 from shared.codecs import CodecContext, make_method
-from shared.errors import SCDError
+from shared.errors import SCDError, UnknownMethod
 from shared.model.hf_adapter import ModelAdapter
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
@@ -69,7 +71,7 @@ from shared.rpc import scd_pb2_grpc as pbg
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-log = logging.getLogger(__name__)
+log = init_logger(__name__)  # vLLM's logging: the connector's lines appear with the engine's
 LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -90,6 +92,7 @@ class SaveSpec:
     block_ids: list[int]
     method: str = ""  # a request's own choice (kv_transfer_params scd_method), else the engine's
     params: dict[str, str] = field(default_factory=dict)
+    consumer: str = ""  # a request's destination (kv_transfer_params scd_consumer: a name in `consumers`)
 
 
 @dataclass
@@ -154,7 +157,7 @@ class SCDConnector(KVConnectorBase_V1):
     def _init_scheduler(self) -> None:
         self._matched: dict[str, tuple[str, int]] = {}  # req_id -> (key, transferred positions)
         self._pending_loads: dict[str, LoadSpec] = {}
-        self._requested: dict[str, tuple[str, dict[str, str]]] = {}  # req_id -> (method, params)
+        self._requested: dict[str, tuple[str, dict[str, str], str]] = {}  # req_id -> (method, params, consumer)
         self._lookup = None
         if not self.producer:
             self._lookup = pbg.KVReceiverStub(grpc.insecure_channel(str(self.extra.get("listen", "127.0.0.1:50061"))))
@@ -162,10 +165,10 @@ class SCDConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.producer:  # the producer computes every token; note a request's own method, if any
             p = request.kv_transfer_params or {}
-            if "scd_method" in p:
-                self._requested[request.request_id] = (str(p["scd_method"]),
-                                                       {k: str(v) for k, v in dict(p.get("scd_method_params") or
-                                                                                   {}).items()})
+            if "scd_method" in p or "scd_consumer" in p:
+                params = {k: str(v) for k, v in dict(p.get("scd_method_params") or {}).items()}
+                self._requested[request.request_id] = (str(p.get("scd_method", "")), params,
+                                                       str(p.get("scd_consumer", "")))
             return 0, False
         ids = list(request.prompt_token_ids or [])
         top = (len(ids) - 1) // self.block_size * self.block_size  # full blocks, the last token left to compute
@@ -219,8 +222,9 @@ class SCDConnector(KVConnectorBase_V1):
                                 "max_num_batched_tokens above the prompt length)", new.req_id)
                     self._count(chunked_not_sent=1)
                     continue
-                method, params = self._requested.pop(new.req_id, ("", {}))
-                meta.saves.append(SaveSpec(new.req_id, prompt_key(ids[:n]), ids[: n + 1], block_ids, method, params))
+                method, params, dest = self._requested.pop(new.req_id, ("", {}, ""))
+                meta.saves.append(SaveSpec(new.req_id, prompt_key(ids[:n]), ids[: n + 1], block_ids, method, params,
+                                           dest))
         self._pending_loads.clear()  # a load not scheduled now (preempted) is recomputed
         return meta
 
@@ -251,9 +255,9 @@ class SCDConnector(KVConnectorBase_V1):
             self.default = (str(self.extra.get("method", "raw")),
                             {k: str(v) for k, v in dict(self.extra.get("method_params", {})).items()})
             self._method(*self.default)  # fail fast on the engine's own settings
-            address = str(self.extra.get("consumer", "127.0.0.1:50061"))
-            self._channel = grpc.insecure_channel(address)
-            self._stub = pbg.KVReceiverStub(self._channel)
+            self._consumers = {str(k): str(v) for k, v in dict(self.extra.get("consumers") or {}).items()}
+            self._default_consumer = str(self.extra.get("consumer", "127.0.0.1:50061"))
+            self._channels: dict[str, grpc.Channel] = {}
         else:
             methods = tuple(self.extra.get("methods", SUPPORTED))
             producer_fp = self.extra.get("producer_fingerprint")
@@ -274,6 +278,17 @@ class SCDConnector(KVConnectorBase_V1):
             check_method(kind)
             self._methods[key] = make_method(kind, self.ctx, params)
         return self._methods[key]
+
+    def _stub(self, name: str) -> pbg.KVReceiverStub:
+        """The receiver a request goes to: ``consumers[name]`` (names only, so a request cannot point the
+        producer at an arbitrary address), or the engine's ``consumer`` when it names none."""
+        if name and name not in self._consumers:
+            raise UnknownMethod(f"unknown consumer {name!r} in kv_transfer_params scd_consumer; this producer "
+                                f"engine knows {sorted(self._consumers)}")
+        address = self._consumers[name] if name else self._default_consumer
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address)
+        return pbg.KVReceiverStub(self._channels[address])
 
     def _layer(self, name: str) -> int:
         m = LAYER_RE.search(name)
@@ -362,13 +377,14 @@ class SCDConnector(KVConnectorBase_V1):
             if i == 0:
                 try:
                     method = self._method(*((spec.method, spec.params) if spec.method else self.default))
+                    stub = self._stub(spec.consumer)
                 except SCDError as e:
                     log.warning("SCD connector: request %s not transferred: %s", spec.req_id, e)
                     self._count(method_refused=1)
                     continue
                 header = make_header(method, self.fingerprint, spec.key, spec.token_ids, self.model.n_layers,
                                      self.timeout_s)
-                self._out[spec.req_id] = (spec, Outgoing(self._stub, method, header, self.timeout_s),
+                self._out[spec.req_id] = (spec, Outgoing(stub, method, header, self.timeout_s),
                                           _slots(spec.block_ids, 0, n, self.block_size))
             if spec.req_id not in self._out:
                 continue
@@ -401,5 +417,5 @@ class SCDConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if getattr(self, "_server", None) is not None:
             self._server.stop(1)
-        if getattr(self, "_channel", None) is not None:
-            self._channel.close()
+        for ch in getattr(self, "_channels", {}).values():
+            ch.close()

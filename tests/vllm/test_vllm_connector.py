@@ -194,6 +194,7 @@ def test_scd_is_refused_in_the_connector_and_the_prompt_computed(engines, prompt
     assert own.num_cached_tokens == 0
     refused = stats(engines, "p", "worker").get("method_refused", 0)
     produce(engines, other, scd_method="scd")  # needs the consumer's layers: the producer sends nothing
-    assert stats(engines, "p", "worker")["method_refused"] == refused + 1
+    produce(engines, other, scd_consumer="elsewhere")  # only consumers named in its settings are reachable
+    assert stats(engines, "p", "worker")["method_refused"] == refused + 2
     res = consume(engines, other)
     assert res.num_cached_tokens == 0 and list(res.outputs[0].token_ids) == list(own.outputs[0].token_ids)
