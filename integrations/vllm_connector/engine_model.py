@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from shared.errors import ConfigError
-from shared.model.hf_adapter import check_supported, rotate_half
+from shared.model.hf_adapter import check_supported, kv_geometry, rotate_half
 
 
 def _rotary(config) -> torch.nn.Module:
@@ -36,11 +36,7 @@ class EngineModel:
     def __init__(self, config, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         check_supported(config.model_type)
         self.config = config
-        self.n_layers: int = config.num_hidden_layers
-        self.n_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.hidden_size: int = config.hidden_size
-        self.kv_dim: int = self.n_kv_heads * self.head_dim
+        self.n_layers, self.n_kv_heads, self.head_dim, self.hidden_size, self.kv_dim = kv_geometry(config)
         self.device, self.dtype = torch.device(device), dtype
         self._rotary = _rotary(config).to(self.device)
 

@@ -100,6 +100,12 @@ class _ScatterCache:
         return k, v
 
 
+def kv_geometry(cfg) -> tuple[int, int, int, int, int]:
+    """(layers, KV heads, head dim, hidden size, KV width = heads x head dim) of an HF config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cfg.hidden_size, cfg.num_key_value_heads * head_dim
+
+
 class ModelAdapter:
     """Reads and writes the KV internals of one HF causal LM."""
 
@@ -108,11 +114,7 @@ class ModelAdapter:
         check_supported(cfg.model_type)
         self.model = model.eval()
         self.config = cfg
-        self.n_layers: int = cfg.num_hidden_layers
-        self.n_kv_heads: int = cfg.num_key_value_heads
-        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.hidden_size: int = cfg.hidden_size
-        self.kv_dim: int = self.n_kv_heads * self.head_dim
+        self.n_layers, self.n_kv_heads, self.head_dim, self.hidden_size, self.kv_dim = kv_geometry(cfg)
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         layer_params = inspect.signature(type(model.model.layers[0]).forward).parameters

@@ -1,6 +1,8 @@
 """The vLLM connector's two ends without vLLM (integrations/vllm_connector/transfers.py): a producer's
 stream over real gRPC into a consumer engine's receiver, on the tiny pair; what the receiver refuses."""
 
+import contextlib
+
 import grpc
 import pytest
 import torch
@@ -131,47 +133,41 @@ def test_the_receiver_refuses_what_it_cannot_check(ends):
         check_method("magic")
 
 
-def test_a_pinned_producer_fingerprint_is_enforced(tiny_pair):
+@contextlib.contextmanager
+def receiving(tiny_pair, **settings):
+    """A receiver with ``settings`` on a free port: (producer, its engine model, receiver, stub)."""
     producer, consumer = tiny_pair
     pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
-    receiver = Receiver(cm, CodecContext(cm), producer_fingerprint="fp-right")
+    receiver = Receiver(cm, CodecContext(cm), **settings)
     server, port = serve_receiver(receiver, "127.0.0.1:0")
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as e:
-            send(producer, pm, pbg.KVReceiverStub(ch), ids=IDS[:12])
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fp-right" in e.value.details()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            yield producer, pm, receiver, pbg.KVReceiverStub(ch)
     finally:
         server.stop(0)
+
+
+def test_a_pinned_producer_fingerprint_is_enforced(tiny_pair):
+    with receiving(tiny_pair, producer_fingerprint="fp-right") as (producer, pm, _, stub), \
+            pytest.raises(grpc.RpcError) as e:
+        send(producer, pm, stub, ids=IDS[:12])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "fp-right" in e.value.details()
 
 
 def test_the_held_bytes_are_bounded(tiny_pair):
-    producer, consumer = tiny_pair
-    pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
-    receiver = Receiver(cm, CodecContext(cm), max_bytes=10_000)
-    server, port = serve_receiver(receiver, "127.0.0.1:0")
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as e:
-            send(producer, pm, pbg.KVReceiverStub(ch))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_held_bytes" in e.value.details()
-    finally:
-        server.stop(0)
+    with receiving(tiny_pair, max_bytes=10_000) as (producer, pm, _, stub), pytest.raises(grpc.RpcError) as e:
+        send(producer, pm, stub)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_held_bytes" in e.value.details()
 
 
 def test_held_transfers_make_room_least_recently_used_first(tiny_pair):
-    producer, consumer = tiny_pair
-    pm, cm = EngineModel(producer.config), EngineModel(consumer.config)
+    cm = EngineModel(tiny_pair[1].config)
     one = 2 * cm.n_layers * 20 * cm.kv_dim * 4  # the decoded bytes of a 20-position transfer
-    receiver = Receiver(cm, CodecContext(cm), max_bytes=2 * one)
-    server, port = serve_receiver(receiver, "127.0.0.1:0")
     prompts = [[7 + i] * 21 for i in range(3)]
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = pbg.KVReceiverStub(ch)
-            send(producer, pm, stub, ids=prompts[0])
-            send(producer, pm, stub, ids=prompts[1])
-            receiver.claim(prompt_key(prompts[0][:-1]))  # a load of the first is under way: it must stay
-            send(producer, pm, stub, ids=prompts[2])  # evicts the second, the least recently used unclaimed
+    with receiving(tiny_pair, max_bytes=2 * one) as (producer, pm, receiver, stub):
+        send(producer, pm, stub, ids=prompts[0])
+        send(producer, pm, stub, ids=prompts[1])
+        receiver.claim(prompt_key(prompts[0][:-1]))  # a load of the first is under way: it must stay
+        send(producer, pm, stub, ids=prompts[2])  # evicts the second, the least recently used unclaimed
         held = {e.key for e in receiver.lookup([prompt_key(p[:-1]) for p in prompts])}
-        assert held == {prompt_key(prompts[0][:-1]), prompt_key(prompts[2][:-1])}
-    finally:
-        server.stop(0)
+    assert held == {prompt_key(prompts[0][:-1]), prompt_key(prompts[2][:-1])}
