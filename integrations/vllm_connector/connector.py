@@ -267,7 +267,8 @@ class SCDConnector(KVConnectorBase_V1):
             self.ctx = _context(self.model, art)
             self.receiver = Receiver(self.model, self.ctx, methods, producer_fp,
                                      max_bytes=int(self.extra.get("max_held_bytes", 2 << 30)),
-                                     ttl_s=float(self.extra.get("ttl_s", 120)))
+                                     ttl_s=float(self.extra.get("ttl_s", 120)),
+                                     frame_timeout_s=float(self.extra.get("frame_timeout_s", 30)))
             self._server, port = serve_receiver(self.receiver, str(self.extra.get("listen", "127.0.0.1:50061")))
             log.info("SCD connector: receiver listening on port %d (methods %s)", port, list(methods))
 

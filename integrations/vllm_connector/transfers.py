@@ -184,12 +184,14 @@ class Receiver:
 
     def __init__(self, model, ctx: CodecContext, methods: Sequence[str] = SUPPORTED,
                  producer_fingerprint: str | None = None, limits: Limits = Limits(), max_bytes: int = 2 << 30,
-                 ttl_s: float = 120.0, max_tokens: int = 1 << 16):
+                 ttl_s: float = 120.0, max_tokens: int = 1 << 16, frame_timeout_s: float = 30.0):
         for m in methods:
             check_method(m)
         self.model, self.ctx, self.methods = model, ctx, tuple(methods)
         self.producer_fingerprint, self.limits = producer_fingerprint, limits
         self.max_bytes, self.ttl_s, self.max_tokens = max_bytes, ttl_s, max_tokens
+        self.frame_timeout_s = frame_timeout_s
+        """A stream that sends no frame for this long is cut and its transfer fails (its slot freed)."""
         self._held: dict[str, Received] = {}
         self._lock = threading.Lock()
         self.counters = {"pushes_ok": 0, "pushes_failed": 0, "layers_received": 0, "wire_bytes": 0}
@@ -268,7 +270,7 @@ class Receiver:
                     with t.cond:
                         t.layers[ev.layer] = (k[0].transpose(0, 1), v[0].transpose(0, 1))
                         t.cond.notify_all()
-                    self.counters["layers_received"] += 1
+                    self._count("layers_received")
                 elif isinstance(ev, TrailerReceived):
                     pass
             if t is None or not decoder.done:
@@ -276,16 +278,20 @@ class Receiver:
             if len(t.layers) != self.model.n_layers:
                 raise InvalidPayload(f"stream ended after {len(t.layers)} of {self.model.n_layers} layers")
             t._set(state="ready")
-            self.counters["pushes_ok"] += 1
-            self.counters["wire_bytes"] += t.wire_bytes
+            self._count("pushes_ok")
+            self._count("wire_bytes", t.wire_bytes)
             return pb.PushReply(layers=len(t.layers), wire_bytes=t.wire_bytes)
         except BaseException as e:
-            self.counters["pushes_failed"] += 1
+            self._count("pushes_failed")
             if t is not None:
                 t._set(state="failed", error=str(e) or type(e).__name__, layers={})
             raise
         finally:
             decoder.close()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     # ------------------------------------------------------------------ the scheduler's and the forward pass's view
     def lookup(self, keys: Sequence[str]) -> list[pb.LookupEntry]:
@@ -339,13 +345,37 @@ class ReceiverServicer(pbg.KVReceiverServicer):
         self.receiver = receiver
 
     def Push(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        """One stream; a watchdog cuts it when no frame arrives for ``frame_timeout_s`` (a stalled or
+        trickling producer must not hold a receiver thread and a transfer slot)."""
+        last, done, stalled = [time.monotonic()], threading.Event(), threading.Event()
+        limit = self.receiver.frame_timeout_s
+
+        def frames():
+            for f in request_iterator:
+                last[0] = time.monotonic()
+                yield f
+            if stalled.is_set():
+                raise TimeoutError(f"no frame for {limit:g} s (frame_timeout_s): the stream was cut")
+
+        def watch():
+            while not done.wait(min(0.5, limit / 4)):
+                if time.monotonic() - last[0] > limit:
+                    stalled.set()
+                    context.cancel()
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="scd-receiver-watchdog").start()
         try:
-            return self.receiver.push(request_iterator)
+            return self.receiver.push(frames())
         except Exception as e:  # noqa: BLE001 - every error becomes a status
+            if stalled.is_set() and not isinstance(e, TimeoutError):
+                e = TimeoutError(f"no frame for {limit:g} s (frame_timeout_s): the stream was cut")
             code, msg = status_for(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("receiver: unhandled error")
             context.abort(code, msg)
+        finally:
+            done.set()
 
     def Lookup(self, request, context):  # noqa: N802
         if len(request.keys) > 64:

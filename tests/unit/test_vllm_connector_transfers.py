@@ -171,3 +171,31 @@ def test_held_transfers_make_room_least_recently_used_first(tiny_pair):
         send(producer, pm, stub, ids=prompts[2])  # evicts the second, the least recently used unclaimed
         held = {e.key for e in receiver.lookup([prompt_key(p[:-1]) for p in prompts])}
     assert held == {prompt_key(prompts[0][:-1]), prompt_key(prompts[2][:-1])}
+
+
+def test_a_stalled_stream_is_cut_and_its_transfer_fails(tiny_pair):
+    import threading
+    import time
+
+    from shared.rpc.wire import header_frame
+
+    release = threading.Event()
+    with receiving(tiny_pair, frame_timeout_s=0.5) as (_, pm, receiver, stub):
+        method = make_method("raw", CodecContext(pm))
+        h = make_header(method, "fp", prompt_key(IDS[:-1]), IDS, pm.n_layers, 30)
+
+        def frames():  # the header, then nothing: a producer that hangs mid-stream
+            yield header_frame(h)
+            release.wait(10)
+
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError):
+            stub.Push(frames(), timeout=10)
+        assert time.monotonic() - t0 < 5  # cut at ~0.5 s, not at the client's 10 s deadline
+        release.set()
+        end = time.monotonic() + 5  # the receiver's thread sees the cut as its read returns
+        while receiver.lookup([h.request_id])[0].state == "receiving" and time.monotonic() < end:
+            time.sleep(0.05)
+        (entry,) = receiver.lookup([h.request_id])
+    assert entry.state == "failed"
+    assert receiver.counters["pushes_failed"] >= 1
