@@ -38,8 +38,8 @@ from shared.errors import (
     clip,
 )
 from shared.generation import Generator, Sampling
+from shared.handshake import incompatibility, pin_mismatch
 from shared.metrics import Metrics
-from shared.rpc.wire import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -106,26 +106,8 @@ class ConsumerEngine(Engine):
     # ------------------------------------------------------------------ header
     def incompatibility(self, h: StreamHeader) -> tuple[str, str] | None:
         """(reason, actionable message) when the stream does not match what this consumer loaded."""
-        s = self.settings
-        if h.protocol_version != PROTOCOL_VERSION:
-            side = "producer" if h.protocol_version < PROTOCOL_VERSION else "consumer"
-            return "protocol", (f"protocol version {h.protocol_version} from the producer; this consumer speaks "
-                                f"{PROTOCOL_VERSION}: update the {side}")
-        cls = CODECS[h.method]
-        if h.method_version != cls.version:
-            side = "producer" if h.method_version < cls.version else "consumer"
-            return "method_version", (f"method {h.method!r} version {h.method_version} from the producer; this "
-                                      f"consumer has version {cls.version}: update the {side}")
-        producer_fp = h.producer_fingerprint
-        if self.producer_fingerprint and producer_fp != self.producer_fingerprint:
-            return "fingerprint", (
-                f"stream made by producer weights {producer_fp!r}; consumer {s.name!r} accepts "
-                f"{self.producer_fingerprint!r}: point the producer at the right model or recalibrate the pair "
-                "and update the consumer's artifacts")
-        if h.n_layers != self.adapter.n_layers:
-            return "layers", (f"stream has {h.n_layers} layers; the consumer model has {self.adapter.n_layers}: the "
-                              "producer is serving another model family; fix the producer's consumers setting")
-        return None
+        return incompatibility(h, self.adapter.n_layers, self.producer_fingerprint,
+                               f"consumer {self.settings.name!r}")
 
     def open(self, h: StreamHeader) -> Request:
         s = self.settings
@@ -158,10 +140,8 @@ class ConsumerEngine(Engine):
                                      "chat-template prefix; send native_prefix=false")
             start = p
         method = make_method(h.method, self.ctx, dict(h.params))
-        if h.pin != method.pin():
-            msg = (f"the producer encoded with calibration data {h.pin or 'none'!r} for method {h.method!r}; this "
-                   f"consumer loaded {method.pin() or 'none'!r}: deploy the same `scd calibrate` output (artifact "
-                   "store) to both services")
+        msg = pin_mismatch(h, method.pin(), f"consumer {s.name!r}")
+        if msg is not None:
             if s.fallback != "recompute":
                 raise PreconditionFailed(msg)
             return self._fallback(h, sampling, "artifacts", msg)

@@ -34,6 +34,7 @@ from shared.errors import (
     SCDError,
     UnknownMethod,
 )
+from shared.handshake import incompatibility, pin_mismatch
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.errors import status_for
@@ -198,25 +199,14 @@ class Receiver:
 
     # ------------------------------------------------------------------ receiving
     def _check(self, h: StreamHeader) -> None:
-        if h.protocol_version != PROTOCOL_VERSION:
-            side = "producer" if h.protocol_version < PROTOCOL_VERSION else "consumer"
-            raise PreconditionFailed(f"protocol version {h.protocol_version} from the producer; this receiver speaks "
-                                     f"{PROTOCOL_VERSION}: update the {side} engine's project code")
         if h.method not in self.methods:
-            check_method(h.method)
+            if h.method in CODECS:
+                check_method(h.method)
             raise UnknownMethod(f"method {h.method!r} is not enabled on this consumer engine; enabled: "
                                 f"{list(self.methods)}")
-        version = CODECS[h.method].version
-        if h.method_version != version:
-            side = "producer" if h.method_version < version else "consumer"
-            raise PreconditionFailed(f"method {h.method!r} version {h.method_version} from the producer; this "
-                                     f"receiver has version {version}: update the {side}")
-        if self.producer_fingerprint and h.producer_fingerprint != self.producer_fingerprint:
-            raise FingerprintMismatch(f"stream made by producer weights {h.producer_fingerprint!r}; this consumer "
-                                      f"accepts {self.producer_fingerprint!r}: point the producer engine at the "
-                                      "right model or recalibrate the pair")
-        if h.n_layers != self.model.n_layers:
-            raise PreconditionFailed(f"stream has {h.n_layers} layers; the consumer model has {self.model.n_layers}")
+        bad = incompatibility(h, self.model.n_layers, self.producer_fingerprint, "this consumer engine")
+        if bad is not None:
+            raise (FingerprintMismatch if bad[0] == "fingerprint" else PreconditionFailed)(bad[1])
         if not 0 < h.n_tokens <= self.max_tokens or h.n_tokens != len(h.prompt_ids) - 1:
             raise InvalidPayload(f"header n_tokens={h.n_tokens} with {len(h.prompt_ids)} prompt ids; expected "
                                  f"1 to {self.max_tokens} positions and prompt length - 1")
@@ -230,10 +220,9 @@ class Receiver:
     def _open(self, h: StreamHeader):
         self._check(h)
         method = make_method(h.method, self.ctx, dict(h.params))
-        if h.pin != method.pin():
-            raise PreconditionFailed(f"the producer encoded with calibration data {h.pin or 'none'!r} for method "
-                                     f"{h.method!r}; this consumer loaded {method.pin() or 'none'!r}: deploy the "
-                                     "same `scd calibrate` output to both engines")
+        msg = pin_mismatch(h, method.pin(), "this consumer engine")
+        if msg is not None:
+            raise PreconditionFailed(msg)
         session = method.start(DecodeJob(prompt_ids=list(h.prompt_ids), n_tokens=h.n_tokens, start=0))
         m = self.model
         nbytes = 2 * m.n_layers * h.n_tokens * m.kv_dim * torch.empty((), dtype=m.dtype).element_size()
