@@ -40,13 +40,15 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
         raise UnknownMethod(f"unknown transfer method {kind!r}; expected one of {sorted(CODECS)}")
     cls = CODECS[kind].Config
     params = params or {}
-    try:  # as strings first (string fields such as patch_layers="3"), then numbers read back
-        return cls.model_validate({"kind": kind, **params})
+    try:  # as strings first (string fields such as patch_layers="3" or int4="on"), then the fields
+        return cls.model_validate({"kind": kind, **params})  # that failed as strings read back as numbers
     except ValidationError as first:
+        failed = {err["loc"][0] for err in first.errors() if err["loc"]}
         try:
-            return cls.model_validate({"kind": kind, **{k: _scalar(v) for k, v in params.items()}})
-        except ValidationError:
-            raise InvalidRequest(f"invalid settings for method {kind!r}: {first}".replace("\n", "; ")) from None
+            read = {k: _scalar(v) if k in failed else v for k, v in params.items()}
+            return cls.model_validate({"kind": kind, **read})
+        except ValidationError as e:
+            raise InvalidRequest(f"invalid settings for method {kind!r}: {e}".replace("\n", "; ")) from None
 
 
 def check_enabled(methods, allow=()) -> None:

@@ -29,6 +29,32 @@ def unpack4(p: torch.Tensor, n: int) -> torch.Tensor:
     return out[:n]
 
 
+def pack6(q: torch.Tensor) -> torch.Tensor:
+    """Four 6-bit codes (0..63) in three bytes; the input's element count must be a multiple of 4."""
+    a, b, c, d = q.reshape(-1, 4).to(torch.uint8).unbind(1)
+    return torch.stack([a | (b << 6), (b >> 2) | (c << 4), (c >> 4) | (d << 2)], 1).reshape(-1).contiguous()
+
+
+def unpack6(p: torch.Tensor, n: int) -> torch.Tensor:
+    x, y, z = p.reshape(-1, 3).unbind(1)
+    out = torch.stack([x & 0x3F, (x >> 6) | ((y & 0x0F) << 2), (y >> 4) | ((z & 0x03) << 4), z >> 2], 1)
+    return out.reshape(-1)[:n]
+
+
+def packed_size(count: int, bits: int) -> int:
+    """Bytes of ``count`` codes of ``bits`` (8, 6 or 4) as ``pack_codes`` lays them out."""
+    return count * bits // 8
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of ``bits`` (8, 6 or 4) packed into bytes; 6-bit needs a multiple of 4 codes, 4-bit of 2."""
+    return {8: lambda x: x.reshape(-1).contiguous(), 6: pack6, 4: pack4}[bits](q)
+
+
+def unpack_codes(p: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    return {8: lambda x, m: x.reshape(-1)[:m], 6: unpack6, 4: unpack4}[bits](p, n)
+
+
 def quantize_groups(x: torch.Tensor, bits: int, group: int,
                     axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of x [T, C] in groups of ``group`` along ``axis`` (0: groups

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shared.artifacts import store
-from shared.codecs import CODECS, CodecConfig, CodecContext, DecodeJob, make_method
+from shared.codecs import CODECS, CodecConfig, CodecContext, DecodeJob, make_method, method_config
 from shared.codecs.scd import PairArtifacts
 from shared.domain import LayerReceived
 from shared.errors import DataLoss, InvalidPayload
@@ -100,12 +100,25 @@ def _lies(tensors):
         yield "inf", DataLoss, {**tensors, floats[0]: bad}
 
 
-@pytest.mark.parametrize("kind", sorted(k for k, c in CODECS.items() if c.transfers_layers))
-def test_a_consistent_liar_is_refused_at_every_layer(kind, contexts):
+@pytest.mark.parametrize("kind,params", [(k, {}) for k in sorted(CODECS)] + [
+    ("ridge", {"bits": "6"}), ("ridge", {"budget": "0.4", "fp16_share": "0"}), ("spectrum", {"int4": "off"})])
+def test_settings_read_back_from_the_wire_as_they_were_sent(kind, params):
+    """The wire carries settings as strings: every field of every method's settings, numbers and
+    words alike ("16", "on"), must read back to the same settings on the other side."""
+    cfg = method_config(kind, params)
+    assert method_config(kind, cfg.wire_params()) == cfg
+
+
+LAYOUTS = [(k, {}) for k, c in sorted(CODECS.items()) if c.transfers_layers] + [("ridge", {"bits": "6"})]
+"""Every layer-transferring method, and the settings that change what crosses the wire."""
+
+
+@pytest.mark.parametrize("kind,params", LAYOUTS, ids=lambda x: x if isinstance(x, str) else ";".join(x.values()))
+def test_a_consistent_liar_is_refused_at_every_layer(kind, params, contexts):
     """Names, dtypes and shapes are checked against the method's declared schema, floats must be
     finite: a wrong row count, a [1]-shaped scale that would broadcast, another dtype, NaN or Inf."""
     pctx, cctx = contexts
-    enc, dec = make_method(kind, pctx), make_method(kind, cctx)
+    enc, dec = make_method(kind, pctx, params), make_method(kind, cctx, params)
     state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers(), residual_layers=enc.residual_layers())
     session = dec.start(DecodeJob(IDS, len(IDS) - 1, 0))
     for layer in range(pctx.model.n_layers):

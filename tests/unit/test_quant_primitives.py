@@ -1,7 +1,17 @@
 import pytest
 import torch
 
-from shared.codecs.quant import dequantize_groups, dequantize_rows, pack4, quantize_groups, quantize_rows, unpack4
+from shared.codecs.quant import (
+    dequantize_groups,
+    dequantize_rows,
+    pack4,
+    pack_codes,
+    packed_size,
+    quantize_groups,
+    quantize_rows,
+    unpack4,
+    unpack_codes,
+)
 
 
 def test_pack4_round_trip():
@@ -10,7 +20,16 @@ def test_pack4_round_trip():
     assert p.numel() == 500 and torch.equal(unpack4(p, 1000), q)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_packed_codes_round_trip_at_their_size(bits):
+    q = torch.randint(0, 2**bits, (1000,), dtype=torch.uint8)
+    q[:4] = 2**bits - 1  # every bit of a code set: nothing spills into the next code
+    p = pack_codes(q, bits)
+    assert p.dtype == torch.uint8 and p.numel() == packed_size(1000, bits) == 1000 * bits // 8
+    assert torch.equal(unpack_codes(p, bits, 1000), q)
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_group_quantization_error_is_within_half_a_step(bits, axis):
     x = torch.randn(64, 96) * torch.linspace(0.1, 10, 96)
