@@ -73,6 +73,20 @@ def quantize_groups(x: torch.Tensor, bits: int, group: int,
     return q.reshape(t, c), scale, zero
 
 
+def quantize_columns(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization of each column of x [T, C] over all its T rows (keys per
+    channel over the tokens) -> (codes uint8 [T, C], scale fp16 [1, C], zero fp16 [1, C]); T may be 0."""
+    if x.shape[0] == 0:
+        zeros = torch.zeros(1, x.shape[1], dtype=torch.float16)
+        return torch.zeros(0, x.shape[1], dtype=torch.uint8), zeros + 1, zeros
+    q, scale, zero = quantize_groups(x, bits, x.shape[0], 0)
+    return q, scale.reshape(1, -1), zero.reshape(1, -1)
+
+
+def dequantize_columns(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float() + zero.float()
+
+
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, axis: int) -> torch.Tensor:
     t, c = q.shape
     qg = q.reshape(t // group, group, c) if axis == 0 else q.reshape(t, c // group, group)

@@ -101,7 +101,8 @@ def _lies(tensors):
 
 
 @pytest.mark.parametrize("kind,params", [(k, {}) for k in sorted(CODECS)] + [
-    ("ridge", {"bits": "6"}), ("ridge", {"budget": "0.4", "fp16_share": "0"}), ("spectrum", {"int4": "off"})])
+    ("ridge", {"k_bits": "6", "v_bits": "8"}), ("ridge", {"budget": "0.4", "fp16_share": "0"}),
+    ("spectrum", {"int4": "off"})])
 def test_settings_read_back_from_the_wire_as_they_were_sent(kind, params):
     """The wire carries settings as strings: every field of every method's settings, numbers and
     words alike ("16", "on"), must read back to the same settings on the other side."""
@@ -109,7 +110,8 @@ def test_settings_read_back_from_the_wire_as_they_were_sent(kind, params):
     assert method_config(kind, cfg.wire_params()) == cfg
 
 
-LAYOUTS = [(k, {}) for k, c in sorted(CODECS.items()) if c.transfers_layers] + [("ridge", {"bits": "6"})]
+LAYOUTS = [(k, {}) for k, c in sorted(CODECS.items()) if c.transfers_layers] + [
+    ("ridge", {"k_bits": "6", "v_bits": "8"}), ("ridge", {"v_bits": "4"})]
 """Every layer-transferring method, and the settings that change what crosses the wire."""
 
 

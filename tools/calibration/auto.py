@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = ("raw", "quant:bits=8", "quant", "spectrum", "spectrum:budget=0.35", "ridge", "ridge:budget=0.5",
               "ridge:budget=0.4", "ridge:budget=0.3", "ridge:budget=0.48;fp16_share=0",
-              "ridge:budget=0.4;fp16_share=0", "ridge:bits=8", "ridge:bits=6", "ridge:bits=4", "droidspeak",
-              "scd-reuse", "scd")
+              "ridge:budget=0.4;fp16_share=0", "ridge:k_bits=8;v_bits=8", "ridge:k_bits=8;v_bits=6",
+              "ridge:k_bits=8;v_bits=4", "ridge:k_bits=6;v_bits=6", "droidspeak", "scd-reuse", "scd")
 """Methods and settings scored; those the pair lacks artifacts or a profile for are skipped."""
 
 
