@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -30,15 +32,27 @@ def unpack4(p: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack6(q: torch.Tensor) -> torch.Tensor:
-    """Four 6-bit codes (0..63) in three bytes; the input's element count must be a multiple of 4."""
-    a, b, c, d = q.reshape(-1, 4).to(torch.uint8).unbind(1)
-    return torch.stack([a | (b << 6), (b >> 2) | (c << 4), (c >> 4) | (d << 2)], 1).reshape(-1).contiguous()
+    """Four 6-bit codes (0..63) in three bytes; the input's element count must be a multiple of 4.
+    On a little-endian host the four codes are read as one int32 and shifted together (fewer passes
+    over memory than four byte columns)."""
+    if sys.byteorder != "little":
+        a, b, c, d = q.reshape(-1, 4).to(torch.uint8).unbind(1)
+        return torch.stack([a | (b << 6), (b >> 2) | (c << 4), (c >> 4) | (d << 2)], 1).reshape(-1).contiguous()
+    w = q.reshape(-1, 4).to(torch.uint8).contiguous().view(torch.int32).reshape(-1)
+    y = (w & 0x3F) | ((w >> 2) & 0xFC0) | ((w >> 4) & 0x3F000) | ((w >> 6) & 0xFC0000)
+    return y.view(torch.uint8).reshape(-1, 4)[:, :3].reshape(-1)
 
 
 def unpack6(p: torch.Tensor, n: int) -> torch.Tensor:
-    x, y, z = p.reshape(-1, 3).unbind(1)
-    out = torch.stack([x & 0x3F, (x >> 6) | ((y & 0x0F) << 2), (y >> 4) | ((z & 0x03) << 4), z >> 2], 1)
-    return out.reshape(-1)[:n]
+    if sys.byteorder != "little":
+        x, y, z = p.reshape(-1, 3).unbind(1)
+        out = torch.stack([x & 0x3F, (x >> 6) | ((y & 0x0F) << 2), (y >> 4) | ((z & 0x03) << 4), z >> 2], 1)
+        return out.reshape(-1)[:n]
+    b = torch.zeros(p.numel() // 3, 4, dtype=torch.uint8, device=p.device)
+    b[:, :3] = p.reshape(-1, 3)
+    y = b.view(torch.int32).reshape(-1)
+    w = (y & 0x3F) | ((y << 2) & 0x3F00) | ((y << 4) & 0x3F0000) | ((y << 6) & 0x3F000000)
+    return w.view(torch.uint8)[:n]
 
 
 def packed_size(count: int, bits: int) -> int:

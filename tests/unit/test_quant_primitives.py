@@ -21,12 +21,18 @@ def test_pack4_round_trip():
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
-def test_packed_codes_round_trip_at_their_size(bits):
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+def test_packed_codes_round_trip_at_their_size(bits, byteorder, monkeypatch):
+    """The same bytes whichever path packs them (6-bit codes take an int32 path on little-endian hosts)."""
+    monkeypatch.setattr("shared.codecs.quant.sys.byteorder", byteorder)
     q = torch.randint(0, 2**bits, (1000,), dtype=torch.uint8)
     q[:4] = 2**bits - 1  # every bit of a code set: nothing spills into the next code
     p = pack_codes(q, bits)
     assert p.dtype == torch.uint8 and p.numel() == packed_size(1000, bits) == 1000 * bits // 8
     assert torch.equal(unpack_codes(p, bits, 1000), q)
+    if bits == 6:  # the layout itself: code i's bit j is bit 6i+j of the little-endian byte string
+        bits_of = [(int(q[i]) >> j) & 1 for i in range(8) for j in range(6)]
+        assert [(int(p[k // 8]) >> (k % 8)) & 1 for k in range(48)] == bits_of
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
