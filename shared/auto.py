@@ -12,6 +12,13 @@ default: validation KL no worse than raw transfer's, and no worse than half of r
 point reaches that (the pair drifts enough for a correcting method to pay). ``max_kl_vs_raw``
 sets the bound instead. The Oracle is not a candidate: it is the no-disaggregation baseline.
 
+Differences finer than the table can resolve are ties: expected times within ``time_tolerance``
+(default 5%: the table's per-token times repeat only to 5-10% from one calibration run to the next,
+same machine, same prompts), and among those, validation KLs within ``kl_tolerance`` (default 10%)
+of the lowest (24 validation prompts: a point's KL relative to raw's moved by 20% and more from
+validation to the test split). Ties go to the fewest bytes on the wire: they are exact, and the link
+is what a fleet's consumers share.
+
 The link rate is a setting per consumer, else measured: the best goodput of the consumer's recent
 transfers (wire bytes over the transfer time the consumer saw; a transfer slowed by encoding only
 underestimates the link), else ``DEFAULT_LINK_MBPS`` until a transfer has been seen."""
@@ -28,6 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shared.errors import InvalidRequest, PreconditionFailed
 
 DEFAULT_LINK_MBPS = 1000.0
+DEFAULT_TIME_TOLERANCE = 0.05
+DEFAULT_KL_TOLERANCE = 0.1
 MIN_SAMPLE_BYTES = 256 << 10
 """Transfers smaller than this are latency-bound: they say little about the link's rate."""
 
@@ -42,6 +51,11 @@ class AutoSettings(BaseModel):
     max_kl_vs_raw: float | None = Field(None, gt=0)
     """Quality bound: validation KL at most this multiple of raw transfer's (default: 1, and 0.5
     where some point reaches it)."""
+    time_tolerance: float = Field(DEFAULT_TIME_TOLERANCE, ge=0, le=1)
+    """Expected times within this fraction of the fastest point's are a tie."""
+    kl_tolerance: float = Field(DEFAULT_KL_TOLERANCE, ge=0)
+    """Among tied times, validation KLs within this fraction of the lowest are a tie too; ties go to
+    the fewest bytes."""
 
     @classmethod
     def parse(cls, params: dict[str, str] | None) -> "AutoSettings":
@@ -50,7 +64,7 @@ class AutoSettings(BaseModel):
         except ValidationError as e:
             msg = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'auto'}: {x['msg']}" for x in e.errors())
             raise InvalidRequest(f"invalid settings for method 'auto': {msg} (settings: link_mbps, "
-                                 "max_kl_vs_raw)") from None
+                                 "max_kl_vs_raw, time_tolerance, kl_tolerance)") from None
 
 
 @dataclass(frozen=True)
@@ -87,13 +101,25 @@ def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, setti
     pool = [p for p in points if p["kl"] <= bound]
     if not pool:  # nothing within the bound: the most accurate point, and the reason says so
         pool, rule = [min(points, key=lambda p: p["kl"])], f"none within {rule}: the most accurate point"
-    ranked = sorted(pool, key=lambda p: expected_ms(p, n_tokens, link_mbps))
-    best, ms = ranked[0], expected_ms(ranked[0], n_tokens, link_mbps)
+    def ms_of(p: dict) -> float:
+        return expected_ms(p, n_tokens, link_mbps)
+
+    ranked = sorted(pool, key=ms_of)
+    fastest = ranked[0]
+    tied = [p for p in ranked if ms_of(p) <= ms_of(fastest) * (1 + settings.time_tolerance)]
+    low = min(p["kl"] for p in tied)
+    tied = [p for p in tied if p["kl"] <= low * (1 + settings.kl_tolerance)]
+    best = min(tied, key=lambda p: (p["bytes_per_token"], ms_of(p)))
+    ms = ms_of(best)
     reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {link_mbps:.0f} Mbit/s "
               f"({link_source}); validation KL {best['kl']:.4f}, bound {bound:.4f} ({rule})")
-    if len(ranked) > 1:
-        nxt = ranked[1]
-        reason += f"; next: {nxt['label']} {expected_ms(nxt, n_tokens, link_mbps):.0f} ms"
+    if best is not fastest:
+        reason += (f"; a tie with the fastest ({fastest['label']} {ms_of(fastest):.0f} ms, KL {fastest['kl']:.4f}: "
+                   f"within {settings.time_tolerance:.0%} in time, {settings.kl_tolerance:.0%} in KL), the fewest "
+                   f"bytes ({best['bytes_per_token']:,.0f} vs {fastest['bytes_per_token']:,.0f}/token)")
+    others = [p for p in ranked if p is not best]
+    if others:
+        reason += f"; next: {others[0]['label']} {ms_of(others[0]):.0f} ms"
     return Choice(best["method"], dict(best["params"]), best["label"], ms, reason)
 
 

@@ -54,6 +54,25 @@ def test_an_explicit_bound_and_none_within_it():
     assert c.method == "droidspeak" and "none within" in c.reason  # the most accurate, said so
 
 
+def test_ties_in_time_and_kl_go_to_the_fewest_bytes_and_a_worse_kl_is_no_tie():
+    """Expected times within 5% and KLs within 10% of the lowest among them are below what the
+    table resolves: the point with fewer bytes is served; a clearly worse KL is not traded for bytes."""
+    table = {"raw_kl": 0.006, "points": [
+        _pt("raw", 0.006, 22000), _pt("ridge:k_bits=8;v_bits=8", 0.00228, 12000, enc=0.14, rec=0.07),
+        _pt("ridge:k_bits=8;v_bits=6", 0.00234, 10600, enc=0.15, rec=0.08),
+        _pt("ridge:budget=0.4", 0.0028, 9000, enc=0.27, rec=0.1)]}
+    one_g = choose(table, 1000, 1000, "setting")  # 306 ms against 315: a tie; 12,000 vs 10,600 bytes
+    assert one_g.label == "ridge:k_bits=8;v_bits=6"
+    assert "a tie with the fastest (ridge:k_bits=8;v_bits=8" in one_g.reason
+    strict = choose(table, 1000, 1000, "setting", AutoSettings(time_tolerance=0))
+    assert strict.label == "ridge:k_bits=8;v_bits=8" and "tie" not in strict.reason
+    # at 100 Mbit/s ridge:budget=0.4 ties k_bits=8;v_bits=6 in time (1090 vs 1078 ms) with the fewest
+    # bytes, but its KL is 20% higher: not a tie
+    slow = choose(table, 1000, 100, "setting")
+    assert slow.label == "ridge:k_bits=8;v_bits=6", slow.reason
+    assert choose(table, 1000, 100, "setting", AutoSettings(kl_tolerance=0.5)).label == "ridge:budget=0.4"
+
+
 def test_expected_time_is_compute_plus_bytes_over_the_link():
     p = _pt("x", 0.1, 1000, enc=0.1, rec=0.4)
     assert expected_ms(p, 2000, 8.0) == pytest.approx(2000 * 0.5 + 2000 * 1000 * 8 / 8e6 * 1e3)
@@ -62,7 +81,7 @@ def test_expected_time_is_compute_plus_bytes_over_the_link():
 def test_settings_are_checked_with_a_message_that_names_them():
     with pytest.raises(InvalidRequest, match="link_mbps"):
         AutoSettings.parse({"link_mbps": "-3"})
-    with pytest.raises(InvalidRequest, match="settings: link_mbps, max_kl_vs_raw"):
+    with pytest.raises(InvalidRequest, match="settings: link_mbps, max_kl_vs_raw, time_tolerance, kl_tolerance"):
         AutoSettings.parse({"bits": "4"})
     assert AutoSettings.parse({"link_mbps": "250"}).link_mbps == 250
 
