@@ -77,6 +77,7 @@ class SCDSession(BlockSession):
         a, b = block
         if layer == a:
             self._entry_h = self.entry_state(tensors, block)
+            self._scores = tensors.get("score")
             self._codes = {}
         kv = self.method._reuse(layer, tensors)
         self._codes[layer] = kv
@@ -89,22 +90,74 @@ class SCDSession(BlockSession):
         return out[b - 1]
 
     def run_sparse_block(self, h, block):
-        """The block recomputed for the selected positions only: those the prompt's last tokens
-        attend to most at the entry layer (and the last 16), over the others' REUSE K/V (the native
-        prefix's own K/V where the consumer has them)."""
+        """The block recomputed for the selected positions only, over the others' REUSE K/V (the
+        native prefix's own K/V where the consumer has them), one layer at a time. Which positions:
+        the last 16, then those the prompt's last tokens attend to most: in the producer's attention
+        over the block's layers (the scores it sent), or with ``block_select=attention`` at the
+        entry layer, from the consumer's own projections of the entry state. With ``block_fit=heads`` each layer's REUSE
+        K/V of the positions not recomputed are corrected before the recomputed ones attend to them:
+        per KV head, a ridge map fitted on this prompt's recomputed positions (their REUSE K/V to
+        their native K/V, computed from their own residual states)."""
         a, b = block
-        m = self.model
+        m, cfg = self.model, self.method
         n, s = self.job.n_tokens, self.job.start
         self.check_entry(h, block)
-        keys, values = zip(*(self.with_prefix(l, *self._codes[l]) for l in range(a, b)))
         h = h.to(m.device, m.dtype)
-        score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
+        n_keep = min(n - s, max(1, round(cfg.block_tokens * (n - s))))
+        if cfg.sends_scores:
+            score = self._scores.to(m.device).float()
+            if not torch.isfinite(score).all():
+                raise InvalidPayload(f"{cfg.kind} block {a}-{b}: the producer's position scores are not finite")
+        else:
+            score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
         score[n - min(16, n):] = float("inf")
         score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
-        n_keep = min(n - s, max(1, round(self.method.block_tokens * (n - s))))
         idx = torch.topk(score, n_keep).indices.sort().values
-        _, ks, vs = m.run_layers_sparse(h[idx].unsqueeze(0), idx, keys, values, a, b)
-        return {l: (ks[j][:, :, s:], vs[j][:, :, s:]) for j, l in enumerate(range(a, b))}
+        x = h[idx].unsqueeze(0)
+        out = {}
+        for layer in range(a, b):
+            k, v = self.with_prefix(layer, *self._codes[layer])
+            if cfg.block_fit == "heads" and n_keep < n - s:
+                k, v = self.fitted(layer, k, v, x, idx, s)
+            x, ks, vs = m.run_layers_sparse(x, idx, [k], [v], layer, layer + 1)
+            out[layer] = (ks[0][:, :, s:], vs[0][:, :, s:])
+        return out
+
+    def fitted(self, layer, k, v, x, idx, start):
+        """``layer``'s K/V [1, H, T, D] with the rows outside ``idx`` (and after the native prefix)
+        mapped per KV head by the ridge fit of the selected rows' native K/V (from their residual
+        states ``x``) on their REUSE K/V."""
+        m = self.model
+        kn, vn = m.kv_from_residual(layer, x)
+        out = []
+        for given, native in ((k, kn), (v, vn)):
+            rows = to_rows(given)
+            fit = head_ridge(rows, idx, to_rows(native), m.head_dim, self.method.block_fit_lambda)
+            fit[:start] = rows[:start]
+            out.append(from_rows(fit, m.n_kv_heads, m.head_dim))
+        return out[0], out[1]
+
+
+def head_ridge(rows: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, width: int, lam: float) -> torch.Tensor:
+    """``rows`` [T, H*width] mapped, per block of ``width`` columns (a KV head), by the affine map
+    fitted on ``rows[idx]`` -> ``target`` [len(idx), H*width]: the identity plus a ridge-regularized
+    linear correction (penalty ``lam`` times the mean of the centred Gram's diagonal), so that with
+    few samples it stays near the rows as given. The selected rows get ``target`` itself. Solved in
+    float32 whatever the model's dtype."""
+    dtype, rows = rows.dtype, rows.float()
+    out = rows.clone()
+    x, y = rows[idx], target.float()
+    eye = torch.eye(width, dtype=rows.dtype, device=rows.device)
+    for c in range(0, rows.shape[1], width):
+        xb, yb = x[:, c:c + width], y[:, c:c + width]
+        mx, my = xb.mean(0), yb.mean(0)
+        xc = xb - mx
+        g = xc.T @ xc
+        g = g + lam * g.diagonal().mean().clamp_min(1e-12) * eye
+        w = torch.linalg.solve(g, xc.T @ (yb - my - xc))
+        out[:, c:c + width] = rows[:, c:c + width] + (rows[:, c:c + width] - mx) @ w + (my - mx)
+    out[idx] = y
+    return out.to(dtype)
 
 
 class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_model=True, requires={"artifacts"}):
@@ -118,9 +171,20 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         REUSE codes on those layers instead."""
         block_tokens: float = Field(1.0, gt=0, le=1)
         """Share of the prompt's positions the consumer recomputes in a PATCH block (CacheBlend-style
-        token-sparse recompute): the positions the prompt's last tokens attend to most, and the last
-        16. The others keep REUSE codes, which then cross for the block's layers too. 1 (default):
-        the whole block, nothing but its entry state crosses."""
+        token-sparse recompute; see ``block_select``). The others keep REUSE codes, which then cross
+        for the block's layers too. 1 (default): the whole block, nothing but its entry state crosses."""
+        block_select: Literal["producer", "attention"] = "producer"
+        """With ``block_tokens`` < 1, which positions are recomputed besides the last 16: those the
+        prompt's last 32 tokens attend to most, ``producer`` (default) by the producer's own
+        attention summed over the block's layers, sent as one fp16 score per position (2 bytes a
+        token); ``attention``: by the consumer's attention at the entry layer, from the entry state."""
+        block_fit: Literal["heads", "none"] = "heads"
+        """With ``block_tokens`` < 1, ``heads`` (default): before each block layer, the positions
+        not recomputed get their REUSE K/V corrected by a ridge map per KV head fitted at run time on
+        the recomputed positions (REUSE to native K/V, this prompt only); ``none``: the codes as sent."""
+        block_fit_lambda: float = Field(1.0, gt=0)
+        """The fit's ridge penalty, relative to the mean variance of the codes' K/V; larger keeps the
+        correction nearer the identity."""
         fallback: Literal["auto", "none"] = "auto"
         """``auto``: on the layers where calibration found the code worse than the producer's own
         K/V, send those (int8 per token); ``none``: the code on every REUSE layer."""
@@ -144,6 +208,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
         n_layers = ctx.model.n_layers
         self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
+        self.block_select = getattr(cfg, "block_select", "attention")
+        self.sends_scores = self.block_tokens < 1 and self.block_select == "producer"
+        self.block_fit = getattr(cfg, "block_fit", "none")
+        self.block_fit_lambda = float(getattr(cfg, "block_fit_lambda", 1.0))
         sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
         self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) \
             if self.meta.block_exit_kv and not sparse else frozenset()
@@ -169,7 +237,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         return self.meta.fallback_layers
 
     def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(self.patch))
+        scored = {l for a, b in self.blocks for l in range(a, b)} if self.sends_scores else set()
+        return tuple(sorted(self.patch | scored))
 
     def rank(self, layer: int) -> int:
         """The joint code's rank at ``layer``."""
@@ -191,6 +260,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         block = self.block_at(layer)
         if block is not None:  # the whole prompt's state at the entry: the recompute attends to every position
             entry = self._code(state.residual[layer][0].float(), "r") if layer == block[0] else {}
+            if entry and self.sends_scores:
+                entry["score"] = self._scores(state, block).to(torch.float16)
             if self.block_tokens < 1:  # a sparse block: the positions not recomputed need their codes
                 return {**entry, **self._encode_reuse(state, layer, start)}
             return entry or skip_tensors()
@@ -201,6 +272,17 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
             return self._code(u, "u")
         return self._encode_reuse(state, layer, start)
+
+    def _scores(self, state, block) -> torch.Tensor:
+        """How much the prompt's last 32 tokens attend to each position [n_tokens], in the
+        producer's own attention summed over the block's layers (which positions a token-sparse
+        block recomputes)."""
+        m = self.ctx.model
+        a, b = block
+        score = m.attention_mass_of(a, state.hidden[a], state.keys[a], 32)
+        for layer in range(a + 1, b):
+            score = score + m.attention_mass_of(layer, state.hidden[layer], state.keys[layer], 32)
+        return score
 
     def _encode_reuse(self, state, layer, start):
         dev, a = state.keys[layer].device, self.art
@@ -223,6 +305,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         block, meta = self.block_at(layer), self.meta
         if block is not None:
             entry = self._code_schema("r", job.n_tokens, self.ctx.model.hidden_size) if layer == block[0] else {}
+            if entry and self.sends_scores:
+                entry["score"] = TensorSpec(torch.float16, (job.n_tokens,))
             if self.block_tokens < 1:
                 return {**entry, **self._reuse_schema(layer, job)}
             return entry or SKIP

@@ -261,17 +261,23 @@ class ModelAdapter:
         (summed over heads and queries), from residual-stream inputs [1, T, d] with the layer's own
         norm and projections."""
         x = self.layers[layer].input_layernorm(residual.to(self.device, self.dtype))
+        k, _ = self.regenerate_kv(layer, x)
+        return self.attention_mass_of(layer, x, k, n_queries)
+
+    @torch.inference_mode()
+    def attention_mass_of(self, layer: int, hidden: torch.Tensor, keys: torch.Tensor, n_queries: int) -> torch.Tensor:
+        """``attention_mass`` from the layer's normalized pre-attention input [1, T, d] (for the
+        queries) and its pre-RoPE keys [1, H_kv, T, D], as a prefill captures them."""
+        x = hidden.to(self.device, self.dtype)
         t = x.shape[1]
         nq = max(1, min(n_queries, t))
         q = self.apply_rope(self.queries(layer, x[:, t - nq:]), t - nq)
-        k, _ = self.regenerate_kv(layer, x)
-        k = self.apply_rope(k, 0).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        k = self.apply_rope(keys.to(self.device, self.dtype), 0).repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         scores = (q @ k.transpose(-1, -2)) * self.head_dim ** -0.5  # [1, H, nq, T]
         qpos = torch.arange(t - nq, t, device=self.device).view(-1, 1)
         scores = scores.masked_fill(torch.arange(t, device=self.device).view(1, -1) > qpos, float("-inf"))
         return torch.softmax(scores.float(), dim=-1).sum(dim=(0, 1, 2))
 
-    @torch.inference_mode()
     def kv_from_residual(self, layer: int, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Native pre-RoPE K and V of ``layer`` from its residual-stream input [B, T, d]."""
         norm = self.layers[layer].input_layernorm

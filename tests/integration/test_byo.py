@@ -151,10 +151,12 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
     assert shown.count("pinned to these weights") == 5, shown
     res = tmp_path / "eval.json"
     scd("eval", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--n", "4", "--json", str(res),
-        "--methods", "oracle,raw,quant,spectrum,ridge,scd-reuse,scd,droidspeak,auto", env=env)
+        "--methods", "oracle,raw,quant,spectrum,ridge,ridge:k_bits=8;v_bits=8,scd-reuse,scd,droidspeak,auto", env=env)
     body = json.loads(res.read_text())
-    assert set(body["methods"]) == {"oracle", "raw", "quant", "spectrum", "ridge", "scd-reuse", "scd", "droidspeak",
-                                    "auto"}
+    assert set(body["methods"]) == {"oracle", "raw", "quant", "spectrum", "ridge", "ridge:k_bits=8;v_bits=8",
+                                    "scd-reuse", "scd", "droidspeak", "auto"}
+    # a variant label runs the method with its settings, beside the same method's defaults
+    assert body["methods"]["ridge:k_bits=8;v_bits=8"]["bytes_per_token"] != body["methods"]["ridge"]["bytes_per_token"]
     assert body["methods"]["oracle"]["kl"] == 0.0 and body["methods"]["raw"]["kl"] > 0
     assert sum(body["auto_choices"].values()) == body["methods"]["auto"]["n"]
     assert set(body["auto_choices"]) <= set(points)

@@ -92,7 +92,8 @@ def anatomy(
 @app.command("eval")
 def eval_(
     pair: str = typer.Option("strong", help="A registered pair."),
-    methods: str = typer.Option("oracle,raw,scd-reuse,scd", help="Comma-separated transfer methods."),
+    methods: str = typer.Option("oracle,raw,scd-reuse,scd", help="Comma-separated transfer methods; a method "
+                                "with settings is KIND:KEY=VALUE;KEY=VALUE (scd:block_tokens=0.2)."),
     n: int = typer.Option(48, min=1, help="Number of test prompts."),
     native_prefix: str = typer.Option("on", help="on | off"),
     store_dir: Optional[Path] = typer.Option(None, "--store", help="Artifact store (default: the pair's store)."),
@@ -120,7 +121,14 @@ def eval_(
 
     if data_kind not in ("qa", "lm", "heldout"):
         raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {data_kind!r}")
-    names = [m for m in methods.split(",") if m]
+    from shared.codecs import parse_variant
+
+    labels = [m for m in methods.split(",") if m]
+    try:
+        variants = {m: parse_variant(m) for m in labels}  # a kind, or a kind with settings (scd:block_tokens=0.2)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    names = list(dict.fromkeys(kind for kind, _ in variants.values()))
     unknown = [m for m in names if m not in CODECS and m != "auto"]
     if unknown:
         raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted([*CODECS, 'auto'])}")
@@ -175,8 +183,10 @@ def eval_(
         else:
             from tools.calibration.auto import auto_runner
 
-            runners = {m: auto_runner(pctx.profiles["auto"], pctx, cctx, params.get(m)) if m == "auto"
-                       else codec_method(m, pctx, cctx, params.get(m)) for m in names}
+            runners = {lab: auto_runner(pctx.profiles["auto"], pctx, cctx, {**params.get(kind, {}), **vp} or None)
+                       if kind == "auto"
+                       else codec_method(kind, pctx, cctx, {**params.get(kind, {}), **vp} or None)
+                       for lab, (kind, vp) in variants.items()}
     except SCDError as e:
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
