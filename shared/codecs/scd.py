@@ -91,13 +91,15 @@ class SCDSession(BlockSession):
 
     def run_sparse_block(self, h, block):
         """The block recomputed for the selected positions only, over the others' REUSE K/V (the
-        native prefix's own K/V where the consumer has them), one layer at a time. Which positions:
-        the last 16, then those the prompt's last tokens attend to most: in the producer's attention
-        over the block's layers (the scores it sent), or with ``block_select=attention`` at the
-        entry layer, from the consumer's own projections of the entry state. With ``block_fit=heads`` each layer's REUSE
-        K/V of the positions not recomputed are corrected before the recomputed ones attend to them:
-        per KV head, a ridge map fitted on this prompt's recomputed positions (their REUSE K/V to
-        their native K/V, computed from their own residual states)."""
+        native prefix's own K/V where the consumer has them), one layer at a time.
+
+        Which positions: the last 16, then those the prompt's last tokens attend to most, in the
+        producer's attention over the block's layers (the scores it sent), or with
+        ``block_select=attention`` at the entry layer, from the consumer's own projections of the
+        entry state. With ``block_fit=heads`` each layer's REUSE K/V of the positions not
+        recomputed are corrected before the recomputed ones attend to them: per KV head, a ridge
+        map fitted on this prompt's recomputed positions (their REUSE K/V to their native K/V,
+        computed from their own residual states)."""
         a, b = block
         m, cfg = self.model, self.method
         n, s = self.job.n_tokens, self.job.start

@@ -278,6 +278,7 @@ class ModelAdapter:
         scores = scores.masked_fill(torch.arange(t, device=self.device).view(1, -1) > qpos, float("-inf"))
         return torch.softmax(scores.float(), dim=-1).sum(dim=(0, 1, 2))
 
+    @torch.inference_mode()
     def kv_from_residual(self, layer: int, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Native pre-RoPE K and V of ``layer`` from its residual-stream input [B, T, d]."""
         norm = self.layers[layer].input_layernorm
