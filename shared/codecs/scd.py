@@ -77,7 +77,7 @@ class SCDSession(BlockSession):
         a, b = block
         if layer == a:
             self._entry_h = self.entry_state(tensors, block)
-            self._scores = tensors.get("score")
+            self._entry_scores = tensors.get("score")
             self._codes = {}
         kv = self.method._reuse(layer, tensors)
         self._codes[layer] = kv
@@ -107,7 +107,7 @@ class SCDSession(BlockSession):
         h = h.to(m.device, m.dtype)
         n_keep = min(n - s, max(1, round(cfg.block_tokens * (n - s))))
         if cfg.sends_scores:
-            score = self._scores.to(m.device).float()
+            score = self._entry_scores.to(m.device).float()
             if not torch.isfinite(score).all():
                 raise InvalidPayload(f"{cfg.kind} block {a}-{b}: the producer's position scores are not finite")
         else:
@@ -210,11 +210,11 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
         n_layers = ctx.model.n_layers
         self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
+        sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
         self.block_select = getattr(cfg, "block_select", "attention")
-        self.sends_scores = self.block_tokens < 1 and self.block_select == "producer"
+        self.sends_scores = sparse and self.block_select == "producer"
         self.block_fit = getattr(cfg, "block_fit", "none")
         self.block_fit_lambda = float(getattr(cfg, "block_fit_lambda", 1.0))
-        sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
         self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) \
             if self.meta.block_exit_kv and not sparse else frozenset()
         recomputed = {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers

@@ -183,10 +183,9 @@ def eval_(
         else:
             from tools.calibration.auto import auto_runner
 
-            runners = {lab: auto_runner(pctx.profiles["auto"], pctx, cctx, {**params.get(kind, {}), **vp} or None)
-                       if kind == "auto"
-                       else codec_method(kind, pctx, cctx, {**params.get(kind, {}), **vp} or None)
-                       for lab, (kind, vp) in variants.items()}
+            settings = {lab: {**params.get(kind, {}), **vp} or None for lab, (kind, vp) in variants.items()}
+            runners = {lab: auto_runner(pctx.profiles["auto"], pctx, cctx, settings[lab]) if kind == "auto"
+                       else codec_method(kind, pctx, cctx, settings[lab]) for lab, (kind, _) in variants.items()}
     except SCDError as e:
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
