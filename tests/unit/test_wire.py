@@ -213,3 +213,75 @@ def test_planned_schema_refuses_undeclared_tensors_before_allocation():
     dec.plan(None, discard=True)
     got = [dec.feed(f) for f in frames]
     assert isinstance(got[-2], LayerReceived) and got[-2].tensors == {} and isinstance(got[-1], TrailerReceived)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4", "none"])
+def test_roundtrip_every_compression(compression):
+    layers = _layers()
+    totals = StreamTotals()
+    frames = [totals.add(pb.KVFrame(header=pb.Header(request_id="r", n_layers=len(layers))))]
+    for i, tensors in enumerate(layers):
+        frames += [totals.add(f) for f in layer_frames(i, tensors, 300, compression=compression)]
+    frames.append(totals.trailer())
+    out, dec = _decode(frames)
+    assert dec.done and len(out) == len(layers)
+    for a, b in zip(out, layers):
+        assert all(torch.equal(a[n], b[n]) for n in b)
+
+
+def test_zstd_entropy_codes_small_int8_codes_that_lz4_leaves():
+    """The reason zstd is the default: int8 codes concentrated near 0 (a PCA code's trailing
+    components) are entropy-coded; lz4 finds no repeats in them."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(2000, 64, generator=g) * torch.linspace(40, 1, 64)).round().clamp(-127, 127).to(torch.int8)
+    size = {c: sum(len(f.chunk.data) for f in layer_frames(0, {"z": q}, compression=c)) for c in ("zstd", "lz4")}
+    assert size["zstd"] < 0.9 * q.numel() <= size["lz4"]
+
+
+def _chunk_frame(data: bytes, raw_size: int, raw: bytes, compression) -> pb.KVFrame:
+    from shared.rpc.wire import chunk_crc
+
+    c = pb.TensorChunk(name="k", layer=0, dtype="U8", shape=[raw_size], offset=0, raw_size=raw_size, data=data,
+                       last=True, layer_done=True, compression=compression)
+    c.crc32c = chunk_crc(c, raw)
+    return pb.KVFrame(chunk=c)
+
+
+def _fed(frame):
+    dec = FrameDecoder()
+    dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=1)))
+    return dec.feed(frame)
+
+
+def test_a_zstd_chunk_that_inflates_beyond_its_declared_size_is_refused_without_inflating():
+    """A zstd frame records its own content size, and zstandard's one-shot decompress trusts it over
+    any bound: the decoder reads at most raw_size + 1 bytes from a stream instead."""
+    import tracemalloc
+
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(200 << 20))  # 200 MiB of zeros, a few kB
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataLoss, match="decompressed to 65"):
+            _fed(_chunk_frame(bomb, 64, bytes(64), pb.COMPRESSION_ZSTD))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+
+
+@pytest.mark.parametrize("data", [b"not a zstd frame", b""])
+def test_a_corrupt_zstd_chunk_is_data_loss(data):
+    with pytest.raises(DataLoss):
+        _fed(_chunk_frame(data, 64, bytes(64), pb.COMPRESSION_ZSTD))
+
+
+def test_an_unknown_compression_is_refused_by_name():
+    with pytest.raises(InvalidPayload, match="compression 7 is not one of"):
+        _fed(_chunk_frame(bytes(64), 64, bytes(64), 7))
+
+
+def test_an_uncompressed_chunk_of_the_wrong_length_is_data_loss():
+    with pytest.raises(DataLoss, match="decompressed to 63"):
+        _fed(_chunk_frame(bytes(63), 64, bytes(64), pb.COMPRESSION_NONE))
