@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 FORMAT_VERSION = 1
+CODE_KINDS = ("z", "u", "r", "qkv")
+"""Kinds of SCD code: REUSE codes, PATCH codes, block entry states, fallback K/V."""
 
 
 class ArtifactMeta(BaseModel):
@@ -31,6 +33,15 @@ class ArtifactMeta(BaseModel):
     rank where the drift does not matter, e.g. before a PATCH block)."""
     r_h: int
     code_bits: Literal[8, 16]
+    code_levels: dict[str, int] = {}
+    """int8 codes only: the levels each kind of code is quantized to, as bits (``z``: REUSE codes,
+    ``u``: PATCH codes, ``r``: block entry states, ``qkv``: fallback K/V; absent: 8). Fewer levels
+    cost no wire format change: the int8 values cluster near 0 and the wire's zstd entropy-codes
+    them (calibration lowers them, cheapest KL per byte first, to a bytes target)."""
+    code_channel: list[str] = []
+    """Kinds of int8 code divided by a per-channel scale (this prompt's, sent as fp16 beside the
+    code) before the per-token absmax quantization: residual states and K/V have a few channels tens
+    of times larger than the rest, which would otherwise set every token's step."""
     center: bool
     patch_layers: list[int]
     patch_blocks: list[tuple[int, int]] = []
@@ -50,5 +61,20 @@ class ArtifactMeta(BaseModel):
     versions: dict[str, str] = {}
     report: dict[str, Any] = {}
     """Per-layer variance explained and errors, sensitivity curve, greedy path, ablations, stage times."""
+    @field_validator("code_levels")
+    @classmethod
+    def _levels(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {k: b for k, b in v.items() if k not in CODE_KINDS or not 2 <= b <= 8}
+        if bad:
+            raise ValueError(f"code_levels {bad}: kinds are {list(CODE_KINDS)}, bits 2 to 8")
+        return v
+
+    @field_validator("code_channel")
+    @classmethod
+    def _channel(cls, v: list[str]) -> list[str]:
+        if set(v) - set(CODE_KINDS):
+            raise ValueError(f"code_channel {sorted(set(v) - set(CODE_KINDS))}: kinds are {list(CODE_KINDS)}")
+        return v
+
     files: dict[str, str] = {}
     """File name -> sha256 of every tensor file of the artifact set."""

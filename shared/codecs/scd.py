@@ -162,6 +162,18 @@ def head_ridge(rows: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, widt
     return out.to(dtype)
 
 
+def code_kind(prefix: str) -> str:
+    """The kind of code a tensor prefix belongs to: ``z`` (REUSE: ``zkv``, ``zk``, ``zv``), ``u``, ``r``, ``qkv``."""
+    return "z" if prefix.startswith("z") else prefix
+
+
+def channel_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel scale of rows ``x`` [T, width] (fp16 [width]): each channel's RMS after every row
+    is normalized to unit RMS, so a few huge rows (an attention sink's state) do not set it."""
+    n = x.float() / x.float().pow(2).mean(1, keepdim=True).sqrt().clamp_min(1e-12)
+    return n.pow(2).mean(0).sqrt().clamp(1e-3, 6e4).to(torch.float16)
+
+
 class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_model=True, requires={"artifacts"}):
     class Config(MethodConfig):
         kind: Literal["scd"] = "scd"
@@ -190,6 +202,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         fallback: Literal["auto", "none"] = "auto"
         """``auto``: on the layers where calibration found the code worse than the producer's own
         K/V, send those (int8 per token); ``none``: the code on every REUSE layer."""
+        codes: Literal["auto", "int8"] = "auto"
+        """``auto``: the code form calibration chose (levels per kind of code, per-channel scales);
+        ``int8``: every code at 256 levels with a per-token scale only (the form before them)."""
 
         @field_validator("patch_layers", mode="before")
         @classmethod
@@ -223,6 +238,12 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.fallback = (frozenset(self._fallback_layers()) - self.patch - recomputed
                          if use_fallback else frozenset())
         self._aligners: dict[int, Aligner] = {}
+        calibrated = getattr(cfg, "codes", "int8") == "auto" and self.meta.code_bits == 8
+        self.levels = dict(self.meta.code_levels) if calibrated and self.uses_levels else {}
+        self.channel = frozenset(self.meta.code_channel) if calibrated else frozenset()
+
+    uses_levels = True
+    """Whether the artifacts' code levels apply (calibration chose them for ``scd``)."""
 
     def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
         have = frozenset(self.meta.patch_layers)
@@ -253,8 +274,12 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def _code(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         if self.meta.code_bits == 16:
             return {prefix: x.to(torch.float16)}
-        q, s = quantize_rows(x, 8)
-        return {prefix: q, f"{prefix}_scale": s}
+        kind, out = code_kind(prefix), {}
+        if kind in self.channel:
+            c = channel_scale(x)
+            x, out[f"{prefix}_channel"] = x / c.float(), c
+        q, s = quantize_rows(x, self.levels.get(kind, 8))
+        return {prefix: q, f"{prefix}_scale": s, **out}
 
     def encode_layer(self, state, layer, start):
         dev = state.keys[layer].device
@@ -301,7 +326,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def _code_schema(self, prefix: str, rows: int, width: int) -> Schema:
         if self.meta.code_bits == 16:
             return {prefix: TensorSpec(torch.float16, (rows, width))}
-        return {prefix: TensorSpec(torch.int8, (rows, width)), f"{prefix}_scale": TensorSpec(torch.float16, (rows, 1))}
+        out = {prefix: TensorSpec(torch.int8, (rows, width)), f"{prefix}_scale": TensorSpec(torch.float16, (rows, 1))}
+        if code_kind(prefix) in self.channel:
+            out[f"{prefix}_channel"] = TensorSpec(torch.float16, (width,))
+        return out
 
     def schema(self, layer, job):
         block, meta = self.block_at(layer), self.meta
@@ -331,10 +359,16 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         try:
             x = tensors[prefix]
             x = x.float() if self.meta.code_bits == 16 else dequantize_rows(x, tensors[f"{prefix}_scale"])
+            c = tensors[f"{prefix}_channel"].float() if code_kind(prefix) in self.channel else None
         except KeyError as e:
             raise InvalidPayload(f"{self.kind} payload lacks tensor {e.args[0]!r}") from None
         if x.dim() != 2 or x.shape[1] != width:
             raise InvalidPayload(f"{self.kind} code {prefix!r} has shape {tuple(x.shape)}; expected [T, {width}]")
+        if c is not None:
+            if c.shape != (width,) or not (torch.isfinite(c).all() and (c > 0).all()):
+                raise InvalidPayload(f"{self.kind} code {prefix!r}: its per-channel scales must be {width} finite "
+                                     "positive numbers")
+            x = x * c
         return x
 
     def _reuse(self, layer, tensors):
@@ -378,6 +412,11 @@ class SCDReuse(SCD, kind="scd-reuse"):
         fallback: Literal["auto", "none"] = "auto"
         """``auto``: the producer's own K/V on the layers where calibration found REUSE-only's code
         worse; ``none``: the code on every layer."""
+        codes: Literal["auto", "int8"] = "auto"
+        """``auto``: the artifacts' per-channel scales (their levels are ``scd``'s); ``int8``: a
+        per-token scale only."""
+
+    uses_levels = False  # the levels were chosen for scd, with its block; REUSE-only keeps 256 levels
 
     def _fallback_layers(self) -> list[int]:
         return self.meta.reuse_fallback_layers

@@ -33,8 +33,9 @@ def contexts(tiny_pair, tiny_artifacts, tiny_droidspeak, tiny_spectrum, tiny_rid
             CodecContext(consumer, PairArtifacts(meta, ct, "consumer"), profiles))
 
 
-def _transfer(kind, pctx, cctx, start=0, params=None):
-    """encode every layer -> frames -> decoder -> decode; returns (cache, payload bytes, encoded)."""
+def _transfer(kind, pctx, cctx, start=0, params=None, compression="zstd"):
+    """encode every layer -> frames (``compression``) -> decoder -> decode; returns (cache, payload
+    bytes, encoded)."""
     enc, dec = make_method(kind, pctx, params), make_method(kind, cctx, params)
     state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers(), residual_layers=enc.residual_layers())
     own = cctx.model.prefill(IDS[:-1])
@@ -51,7 +52,7 @@ def _transfer(kind, pctx, cctx, start=0, params=None):
             assert set(tensors) == set(schema), (layer, sorted(tensors), sorted(schema))
             assert not [n for n, t in tensors.items() if schema[n].mismatch(t.dtype, tuple(t.shape))]
             encoded.append(tensors)
-            for f in layer_frames(layer, tensors):
+            for f in layer_frames(layer, tensors, compression=compression):
                 out = fd.feed(totals.add(f))
             assert isinstance(out, LayerReceived) and out.layer == layer
             got = out.tensors
@@ -345,6 +346,16 @@ def test_scd_with_a_joint_kv_code_round_trips_and_beats_raw(tiny_pair, tmp_path)
                   progress=False)
 
 
+def served_entry(res: torch.Tensor, meta) -> torch.Tensor:
+    """The entry state [T, hidden] as the consumer receives it: divided by its channels' scales,
+    quantized per token to the calibrated levels, scaled back."""
+    from shared.codecs.quant import dequantize_rows, quantize_rows
+    from shared.codecs.scd import channel_scale
+
+    c = channel_scale(res).float() if "r" in meta.code_channel else torch.ones(res.shape[1])
+    return dequantize_rows(*quantize_rows(res / c, meta.code_levels.get("r", 8))) * c
+
+
 def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair, tmp_path):
     """A PATCH block: calibration slides it over the depth and keeps the best; the producer sends the
     entry residual state once (int8), the consumer's own layers give the block's K/V."""
@@ -366,14 +377,17 @@ def test_scd_patch_block_is_selected_streamed_and_recomputed_natively(tiny_pair,
     pctx = CodecContext(producer, PairArtifacts(meta, pt, "producer"))
     cctx = CodecContext(consumer, PairArtifacts(meta, ct, "consumer"))
     cache, nbytes, enc = _transfer("scd", pctx, cctx)
-    assert set(enc[a]) == {"r", "r_scale"} and enc[a]["r"].shape == (len(IDS) - 1, producer.hidden_size)
+    assert meta.code_channel == ["r", "qkv"]  # the default: entry states carry per-channel scales
+    assert set(enc[a]) == {"r", "r_scale", "r_channel"} and enc[a]["r"].shape == (len(IDS) - 1, producer.hidden_size)
     assert all(set(enc[l]) == {"skip"} for l in range(a + 1, b))
     reuse, reuse_bytes, _ = _transfer("scd", pctx, cctx, params={"patch_blocks": "none"})
     assert reuse_bytes != nbytes
-    # inside the block the K/V are the consumer's own layers run on the producer's (int8) entry state
-    res = producer.prefill(IDS[:-1], residual_layers=[a]).residual[a]
-    from shared.codecs.quant import dequantize_rows, quantize_rows
-    _, ks, vs = consumer.run_layers(dequantize_rows(*quantize_rows(res[0].float(), 8)).unsqueeze(0), a, b)
+    # inside the block the K/V are the consumer's own layers run on the producer's (int8) entry state:
+    # divided by its channels' scales, quantized per token to the calibrated levels, scaled back
+    res = producer.prefill(IDS[:-1], residual_layers=[a]).residual[a][0].float()
+    from shared.codecs.scd import channel_scale
+    assert torch.equal(enc[a]["r_channel"].float(), channel_scale(res).float())
+    _, ks, vs = consumer.run_layers(served_entry(res, meta).unsqueeze(0), a, b)
     for j, layer in enumerate(range(a, b)):
         assert torch.allclose(cache.layers[layer].values, vs[j], atol=1e-5)
         assert not torch.allclose(reuse.layers[layer].values, vs[j], atol=1e-3)
@@ -396,7 +410,6 @@ def _variant(meta, pt, ct, **update):
 def test_scd_block_exit_layer_is_native_from_the_blocks_output_and_costs_no_bytes(tiny_pair, tmp_path):
     """With ``block_exit_kv`` the layer after the block sends nothing and its K/V are the consumer's
     own projections of the block's output state; without it, the REUSE code crosses."""
-    from shared.codecs.quant import dequantize_rows, quantize_rows
 
     producer, consumer = tiny_pair
     *_, folder, _ = _calibrate_tiny_joint(tiny_pair, tmp_path, 17, block_layers=2, block_exit_kv="off")
@@ -410,7 +423,7 @@ def test_scd_block_exit_layer_is_native_from_the_blocks_output_and_costs_no_byte
     (cache, nbytes, enc), (cache0, nbytes0, enc0) = out[True], out[False]
     assert set(enc[b]) == {"skip"} and set(enc0[b]) == {"zkv", "zkv_scale"} and nbytes < nbytes0
     res = producer.prefill(IDS[:-1], residual_layers=[a]).residual[a]
-    h, _, _ = consumer.run_layers(dequantize_rows(*quantize_rows(res[0].float(), 8)).unsqueeze(0), a, b)
+    h, _, _ = consumer.run_layers(served_entry(res[0].float(), meta).unsqueeze(0), a, b)
     k, v = consumer.kv_from_residual(b, h)
     assert torch.allclose(cache.layers[b].values, v, atol=1e-5)
     assert torch.allclose(cache.layers[b].keys, consumer.apply_rope(k), atol=1e-5)

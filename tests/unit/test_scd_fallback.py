@@ -1,6 +1,7 @@
 """SCD's per-layer fallback (the producer's own K/V where the code hurts) and the block shortened
 within tolerance: served, declared, and chosen by calibration on the tiny pair."""
 
+import pytest
 import torch
 from test_codec_contract import IDS, _calibrate_tiny_joint, _transfer, _variant
 
@@ -12,6 +13,7 @@ def test_scd_fallback_layers_send_the_producers_own_kv_as_int8(tiny_pair, tmp_pa
     """A fallback layer crosses as the producer's K/V (int8 per token, declared in the schema) and
     decodes to exactly those; ``fallback=none`` sends the code there; ``scd-reuse`` reads its own set."""
     from shared.codecs.quant import dequantize_rows, quantize_rows
+    from shared.codecs.scd import channel_scale
     from shared.model.hf_adapter import to_rows
 
     producer, consumer = tiny_pair
@@ -24,17 +26,23 @@ def test_scd_fallback_layers_send_the_producers_own_kv_as_int8(tiny_pair, tmp_pa
     p, c = _variant(meta, pt, ct, fallback_layers=[layer, a], reuse_fallback_layers=[b - 1])
     pctx, cctx = CodecContext(producer, p), CodecContext(consumer, c)
     cache, nbytes, enc = _transfer("scd", pctx, cctx)
-    assert set(enc[layer]) == {"qkv", "qkv_scale"}
+    assert set(enc[layer]) == {"qkv", "qkv_scale", "qkv_channel"}  # with per-channel scales, the default
     assert "qkv" not in enc[a]  # a block layer never falls back: the block recomputes it
     state = producer.prefill(IDS[:-1])
     rows = torch.cat([to_rows(state.keys[layer]), to_rows(state.values[layer])], 1).float()
-    kv = dequantize_rows(*quantize_rows(rows, 8))
+    c = channel_scale(rows).float()
+    kv = dequantize_rows(*quantize_rows(rows / c, meta.code_levels.get("qkv", 8))) * c
     assert torch.allclose(to_rows(cache.layers[layer].values), kv[:, producer.kv_dim:], atol=1e-5)
     code, code_bytes, enc0 = _transfer("scd", pctx, cctx, params={"fallback": "none"})
     assert set(enc0[layer]) == {"zkv", "zkv_scale"} and code_bytes < nbytes
     assert not torch.allclose(code.layers[layer].values, cache.layers[layer].values, atol=1e-3)
     _, _, renc = _transfer("scd-reuse", pctx, cctx)
-    assert set(renc[b - 1]) == {"qkv", "qkv_scale"} and set(renc[layer]) == {"zkv", "zkv_scale"}
+    assert set(renc[b - 1]) == {"qkv", "qkv_scale", "qkv_channel"} and set(renc[layer]) == {"zkv", "zkv_scale"}
+    # ``codes=int8``: the form before per-channel scales and levels
+    old, _, oenc = _transfer("scd", pctx, cctx, params={"codes": "int8"})
+    assert set(oenc[layer]) == {"qkv", "qkv_scale"}
+    kv8 = dequantize_rows(*quantize_rows(rows, 8))
+    assert torch.allclose(to_rows(old.layers[layer].values), kv8[:, producer.kv_dim:], atol=1e-5)
 
 
 def test_calibration_falls_back_where_the_code_hurts_and_shortens_the_block(tiny_pair, tmp_path):
@@ -50,7 +58,9 @@ def test_calibration_falls_back_where_the_code_hurts_and_shortens_the_block(tiny
     assert [t["layers"] for t in report["block_length"]["tried"]] == [3, 1] and report["block_length"]["kept"] == 1
     assert meta.fallback_layers == fb["layers"] and meta.reuse_fallback_layers == rfb["layers"]
     assert rfb["layers"], "a rank-1 code should lose to the producer's own K/V on some layer"
-    assert rfb["kl"] < rfb["kl_without"] and report["selected_kl"] == fb["kl"] <= fb["kl_without"]
+    assert rfb["kl"] < rfb["kl_without"] and fb["kl"] <= fb["kl_without"]
+    levels = report["code_levels"]  # the last stage starts from the fallback stage's configuration
+    assert levels["kl_256_levels"] == pytest.approx(fb["kl"], rel=1e-4) and report["selected_kl"] == levels["kl"]
     (a, b), = meta.patch_blocks
     assert not set(fb["layers"]) & (set(range(a, b + meta.block_exit_kv)) | set(meta.patch_layers))
     assert set(rfb["gain"]) == {str(l) for l in range(producer.n_layers)}

@@ -1,5 +1,5 @@
 """``scd calibrate``: traces -> REUSE maps -> PATCH block scan -> PATCH projections and aligners ->
-layer selection -> ablations -> artifacts. Every configuration is scored by the served SCD method on
+layer selection -> ablations -> code levels -> artifacts. Every configuration is scored by the served SCD method on
 candidate artifacts (``tools.calibration.scoring``), so what is selected is what the services run.
 Every stage is timed and its peak memory reported; the artifact write is atomic, so an interrupted
 run is simply restarted."""
@@ -22,6 +22,7 @@ from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
 from tools.calibration import selection as sel
 from tools.calibration.aligner import train_aligner
+from tools.calibration.levels import tune_levels
 from tools.calibration.linalg import fit_reuse, pca
 from tools.calibration.memory import PeakRSS, estimate, timed_stages
 from tools.calibration.scoring import Scorer, linear_aligner, patch_tensors, reuse_tensors, scd_sides
@@ -77,7 +78,8 @@ class _Run:
 
     # -------------------------------------------------------------------------- candidates
     def meta(self, patch_layers=(), block=None, code: str | None = None, ranks: dict | None = None,
-             layer_ranks: dict[int, int] | None = None, fallback=(), reuse_fallback=()) -> ArtifactMeta:
+             layer_ranks: dict[int, int] | None = None, fallback=(), reuse_fallback=(),
+             code_levels: dict[str, int] | None = None) -> ArtifactMeta:
         c = self.cfg
         code = code or c.reuse_code
         m = self.m  # the fits clip each rank to the width it codes; the meta says what was fit
@@ -90,7 +92,8 @@ class _Run:
             center=c.center, patch_layers=sorted(patch_layers), patch_blocks=[block] if block else [],
             block_exit_kv=bool(block) and self.exit_kv, layer_ranks=layer_ranks or {},
             fallback_layers=sorted(fallback), reuse_fallback_layers=sorted(reuse_fallback),
-            aligner_hidden=c.aligner_hidden, **r)
+            aligner_hidden=c.aligner_hidden, code_channel=list(c.code_channel) if c.code_bits == 8 else [],
+            code_levels=code_levels or {}, **r)
 
     def reuse_all(self, i: int):
         """Prompt i's REUSE decode of every layer by the served SCD (no patch, no block), kept on disk."""
@@ -259,6 +262,14 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     prod_t, cons_t = run.reuse0 if maps is None else reuse_tensors(maps, cfg.reuse_code)
     pp, pc = patch_tensors(run.pcas, {l: aligners[l] for l in chosen})
     prod_t, cons_t = {**prod_t, **pp}, {**cons_t, **pc}
+    levels = {}
+    if cfg.bytes_target and cfg.code_bits == 8:  # last: fewer levels change what every memoized decode holds
+        served = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
+                          reuse_fallback=reuse_fallback)
+        levels, report["code_levels"] = tune_levels(scorer, served, prod_t, cons_t, cfg.bytes_target,
+                                                    cfg.levels_tolerance, cfg.code_levels_min, progress)
+        sel_kl = report["code_levels"]["kl"]
+        t = stage("code_levels", t)
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     report["peak_rss_mb"]["total"] = max(report["peak_rss_mb"].values())
     rss.close()
@@ -271,7 +282,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     import transformers
 
     meta = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
-                    reuse_fallback=reuse_fallback).model_copy(update={
+                    reuse_fallback=reuse_fallback, code_levels=levels).model_copy(update={
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},

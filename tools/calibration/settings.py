@@ -23,6 +23,19 @@ class CalibrationSettings(BaseModel):
     r_kv: int = Field(224, ge=1)
     r_h: int = Field(128, ge=1)
     code_bits: Literal[8, 16] = 8
+    code_channel: list[Literal["z", "u", "r", "qkv"]] = ["r", "qkv"]
+    """Kinds of int8 code sent with a per-channel scale (see ``ArtifactMeta.code_channel``): by
+    default the block entry states and the fallback K/V, whose few huge channels would otherwise
+    set every token's quantization step (on ``strong``: validation KL 0.101 -> 0.089, at 8 bits)."""
+    bytes_target: float | None = Field(0.125, gt=0)
+    """Last stage: the int8 codes' levels are lowered, one bit at a time, the kind of code with the
+    least validation KL per byte saved first, until SCD's wire bytes are at most this share of raw
+    fp16 K/V (``tools.calibration.levels``). None: 256 levels everywhere."""
+    levels_tolerance: float = Field(0.1, ge=0)
+    """The code levels stage lowers no level that takes validation KL above (1 + this) times its KL
+    at 256 levels: a bytes target out of reach is reported, not bought with quality."""
+    code_levels_min: int = Field(4, ge=2, le=8)
+    """The fewest bits the code levels stage goes down to, on any kind of code."""
     center: bool = True
     ridge: float = Field(1e-3, ge=0)
     """Ridge strength relative to the mean input variance."""

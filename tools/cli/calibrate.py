@@ -20,7 +20,7 @@ from tools.cli.common import (
     validation_items,
 )
 
-METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto")
+METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "codes")
 
 
 @app.command()
@@ -31,8 +31,9 @@ def calibrate(
                                                                   "the validation split selects."),
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_kv=192 (repeatable)."),
     method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts), droidspeak (recompute blocks), ridge "
-                                          "(cross-model maps), spectrum (int4 probe) or auto (the operating table "
-                                          "of every method the pair has: run it last)."),
+                                          "(cross-model maps), spectrum (int4 probe), auto (the operating table "
+                                          "of every method the pair has: run it last) or codes (only scd's last "
+                                          "stage, the code levels, on the pair's existing artifacts)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
@@ -89,6 +90,9 @@ def calibrate(
             return
         if method == "auto":
             _auto(pm, out, pair, val_items, overrides, save_profile)
+            return
+        if method == "codes":
+            _codes(pm, out, pair, val_items, overrides)
             return
         cal = calibration_prompts(pm, data_file)
         if method == "ridge":
@@ -188,6 +192,55 @@ def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profi
     typer.echo(f"operating table ({len(table['points'])} points, {table['report']['seconds']} s) written to {path}")
     typer.echo(json.dumps({"raw_kl": raw, "points": {p["label"]: round(p["kl"], 5) for p in table["points"]},
                            "seconds": table["report"]["seconds"]}))
+
+
+def _codes(pm, out: Path, pair: str, val_items: list, overrides: dict) -> None:
+    """SCD's code form on the pair's existing artifacts: per-channel scales (``code_channel``) and
+    the code levels stage (``bytes_target``, ``code_levels_min``), written back into the store."""
+    from shared.artifacts import store
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.calibration import selection as sel
+    from tools.calibration.levels import tune_levels
+    from tools.calibration.scoring import Scorer, scd_sides
+    from tools.calibration.settings import CalibrationSettings
+    from tools.calibration.spill import SpillDir
+
+    allowed = {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min", "spill_dir"}
+    if set(overrides) - allowed:
+        raise ValueError(f"unknown codes settings {sorted(set(overrides) - allowed)}; codes takes {sorted(allowed)}")
+    cfg = CalibrationSettings(pair=pair, **overrides)
+    if not cfg.bytes_target:
+        raise ValueError("bytes_target is required for the code levels stage (e.g. --set bytes_target=0.125)")
+    pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
+    meta, prod = store.load(out / pair, "producer", pfp, cfp)
+    _, cons = store.load(out / pair, "consumer", pfp, cfp)
+    if meta.code_bits != 8:
+        raise ValueError(f"pair {pair!r}'s codes are fp16 (code_bits={meta.code_bits}); levels apply to int8 codes")
+    t0 = time.perf_counter()
+    spill = SpillDir(cfg.spill_dir)
+    try:
+        vps = sel.prepare_val(pm.producer, pm.consumer, [(it.prompt_ids, it.prefix_len) for it in val_items],
+                              n_new=cfg.val_tokens, stop_ids=pm.fmt.stop_ids, spill_to=spill)
+        scorer = Scorer(pm.producer, pm.consumer, vps, [it.kind for it in val_items])
+        before = scorer.kl(*scd_sides(scorer, meta.model_copy(update={"code_channel": [], "code_levels": {}}), prod,
+                                      cons))
+        scaled = meta.model_copy(update={"code_channel": list(cfg.code_channel), "code_levels": {}})
+        levels, rep = tune_levels(scorer, scaled, prod, cons, cfg.bytes_target, cfg.levels_tolerance,
+                                  cfg.code_levels_min)
+    finally:
+        spill.cleanup()
+    rep.update(kl_before=before, code_channel=list(cfg.code_channel), seconds=round(time.perf_counter() - t0, 1))
+    settings = {**meta.calibration.get("settings", {}), "code_channel": list(cfg.code_channel),
+                "bytes_target": cfg.bytes_target, "levels_tolerance": cfg.levels_tolerance,
+                "code_levels_min": cfg.code_levels_min}
+    new = scaled.model_copy(update={"code_levels": levels, "report": {**meta.report, "code_levels": rep},
+                                    "calibration": {**meta.calibration, "settings": settings}})
+    folder = store.save(out, new, prod, cons)
+    typer.echo(f"code levels {levels or 'none lowered'} with per-channel scales on {list(cfg.code_channel)}: "
+               f"validation KL {before:.4f} (before) -> {rep['kl_256_levels']:.4f} (scales, 256 levels) -> "
+               f"{rep['kl']:.4f}, {rep['bytes_vs_raw_fp16']:.3f}x raw fp16 bytes (target {cfg.bytes_target}); "
+               f"written to {folder}", err=not rep["met"])
+    typer.echo(json.dumps({k: v for k, v in rep.items() if k != "path"}))
 
 
 def _sha(path: Path) -> str:
