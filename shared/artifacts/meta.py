@@ -50,6 +50,9 @@ class ArtifactMeta(BaseModel):
     block_exit_kv: bool = False
     """The K/V of the layer right after each PATCH block come from the block's output state with
     the consumer's own projections (nothing crosses for that layer)."""
+    block_entry_map: bool = False
+    """The consumer maps each PATCH block's entry state toward its own residual stream (a ridge map
+    fitted by calibration, consumer-side tensors ``entry.{w,mu_p,mu_c}.{a}``) before the block."""
     fallback_layers: list[int] = []
     """REUSE layers where the code hurt on validation: ``scd`` sends the producer's own K/V there
     (int8 per token, ``quant``'s form) instead of the code, as raw transfer would."""

@@ -59,7 +59,8 @@ class SCDSession(BlockSession):
         return self.method.decode_tensors(layer, tensors)
 
     def entry_state(self, tensors, block):
-        return self.method._uncode(tensors, "r", self.model.hidden_size)
+        h = self.method._uncode(tensors, "r", self.model.hidden_size)
+        return self.method.map_entry(h, block[0]) if self.method.entry_map else h
 
     def after_block(self, out, block):
         b = block[1]
@@ -205,6 +206,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         codes: Literal["auto", "int8"] = "auto"
         """``auto``: the code form calibration chose (levels per kind of code, per-channel scales);
         ``int8``: every code at 256 levels with a per-token scale only (the form before them)."""
+        entry_map: Literal["auto", "none"] = "auto"
+        """``auto``: where calibration fitted one, the consumer maps a PATCH block's entry state (the
+        producer's residual stream) toward its own with a ridge map before running the block;
+        ``none``: the producer's state as sent."""
 
         @field_validator("patch_layers", mode="before")
         @classmethod
@@ -241,6 +246,12 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         calibrated = getattr(cfg, "codes", "int8") == "auto" and self.meta.code_bits == 8
         self.levels = dict(self.meta.code_levels) if calibrated and self.uses_levels else {}
         self.channel = frozenset(self.meta.code_channel) if calibrated else frozenset()
+        self.entry_map = getattr(cfg, "entry_map", "none") == "auto" and self.meta.block_entry_map
+        missing = [f"entry.{x}.{a}" for a, _ in self.blocks for x in ("w", "mu_p", "mu_c")
+                   if self.entry_map and art.side == "consumer" and f"entry.{x}.{a}" not in art.tensors]
+        if missing:
+            raise ConfigError(f"the {self.meta.pair!r} artifacts declare a block entry map but lack {missing}: "
+                              f"recalibrate (scd calibrate --pair {self.meta.pair} --method refine)")
 
     uses_levels = True
     """Whether the artifacts' code levels apply (calibration chose them for ``scd``)."""
@@ -399,6 +410,17 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         with torch.inference_mode():
             h = self._aligner(layer)(u).unsqueeze(0)
         return self.ctx.model.regenerate_kv(layer, h)
+
+    def map_entry(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """The entry state [n_tokens, d] mapped toward the consumer's own residual stream at block
+        entry ``layer`` (``x + (x - mu_p) W + mu_c - mu_p``); the first position, the attention
+        sink, keeps the producer's state (the map is not fitted on it)."""
+        dev = h.device
+        w, mp, mc = (self.art.t(f"entry.{x}.{layer}", dev) for x in ("w", "mu_p", "mu_c"))
+        x = h[1:].float()
+        out = h.clone()
+        out[1:] = (x + (x - mp) @ w + (mc - mp)).to(h.dtype)
+        return out
 
     def decode_tensors(self, layer, tensors):
         return self._patch(layer, tensors) if layer in self.patch else self._reuse(layer, tensors)

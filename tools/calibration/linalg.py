@@ -99,3 +99,25 @@ def pca(mom: Moments, r: int, center: bool = True) -> tuple[torch.Tensor, torch.
     vals, vecs = top_eig(c, r)
     mu = mom.mean if center else torch.zeros(c.shape[0], dtype=torch.float64)
     return vecs.float(), mu.float(), float(vals.sum() / torch.trace(c).clamp_min(1e-30))
+
+
+def fit_entry_map(producer, consumer, prompts: list[list[int]], layer: int, lam: float, max_tokens: int = 1024,
+                  progress: bool = True) -> dict[str, torch.Tensor]:
+    """The consumer-side artifact tensors of a PATCH block's entry map at ``layer``: the ridge map
+    from the producer's residual-stream state to the consumer's own at that layer, fitted on
+    ``prompts`` (the identity plus a correction, penalty ``lam`` times the mean variance). The first
+    position (the attention sink, whose state is orders of magnitude larger) is not fitted and is
+    not mapped (``SCD.map_entry``)."""
+    from tqdm import tqdm
+
+    d = producer.hidden_size
+    mom = Moments(2 * d)
+    for ids in tqdm(prompts, desc="entry map", disable=not progress):
+        ids = ids[:max_tokens]
+        xp = producer.prefill(ids, residual_layers=[layer]).residual[layer][0, 1:].float()
+        xc = consumer.prefill(ids, residual_layers=[layer]).residual[layer][0, 1:].float()
+        mom.add(torch.cat([xp, xc], 1).cpu())
+    c, mu = mom.cov(), mom.mean
+    cxx, cxy = c[:d, :d], c[:d, d:]
+    w = ridge(cxx, cxy - cxx, lam * float(cxx.diagonal().mean()))
+    return {f"entry.w.{layer}": w.half(), f"entry.mu_p.{layer}": mu[:d].half(), f"entry.mu_c.{layer}": mu[d:].half()}

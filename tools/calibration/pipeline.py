@@ -1,8 +1,9 @@
-"""``scd calibrate``: traces -> REUSE maps -> PATCH block scan -> PATCH projections and aligners ->
-layer selection -> ablations -> code levels -> artifacts. Every configuration is scored by the served SCD method on
-candidate artifacts (``tools.calibration.scoring``), so what is selected is what the services run.
-Every stage is timed and its peak memory reported; the artifact write is atomic, so an interrupted
-run is simply restarted."""
+"""``scd calibrate``: traces -> REUSE maps -> PATCH block scan -> the block's entry map -> PATCH
+projections and aligners -> layer selection -> ablations -> code levels -> artifacts. Every
+configuration is scored by the served SCD method on candidate artifacts
+(``tools.calibration.scoring``), so what is selected is what the services run. Every stage is
+timed and its peak memory reported; the artifact write is atomic, so an interrupted run is simply
+restarted."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from shared.model.hf_adapter import ModelAdapter
 from tools.calibration import selection as sel
 from tools.calibration.aligner import train_aligner
 from tools.calibration.levels import tune_levels
-from tools.calibration.linalg import fit_reuse, pca
+from tools.calibration.linalg import fit_entry_map, fit_reuse, pca
 from tools.calibration.memory import PeakRSS, estimate, timed_stages
 from tools.calibration.scoring import Scorer, linear_aligner, patch_tensors, reuse_tensors, scd_sides
 from tools.calibration.settings import CalibrationSettings
@@ -56,6 +57,7 @@ class _Run:
         self.exit_kv = False
         self.raw_by_kind: dict[str, float] = {}  # raw transfer's validation KL per kind of text
         self.aligners: dict[str, dict] = {}  # "linear" / "trained": (producer, consumer) PATCH tensors
+        self.entry: dict[str, torch.Tensor] = {}  # the block entry map's consumer-side tensors, if kept
 
     # -------------------------------------------------------------------------- fits
     def fit(self, rk: int, rv: int) -> list[tuple]:
@@ -91,6 +93,7 @@ class _Run:
             hidden_size=self.producer.hidden_size, r_h=c.r_h, reuse_code=code, code_bits=c.code_bits,
             center=c.center, patch_layers=sorted(patch_layers), patch_blocks=[block] if block else [],
             block_exit_kv=bool(block) and self.exit_kv, layer_ranks=layer_ranks or {},
+            block_entry_map=bool(block) and bool(self.entry),
             fallback_layers=sorted(fallback), reuse_fallback_layers=sorted(reuse_fallback),
             aligner_hidden=c.aligner_hidden, code_channel=list(c.code_channel) if c.code_bits == 8 else [],
             code_levels=code_levels or {}, **r)
@@ -114,6 +117,7 @@ class _Run:
         if patch_layers:
             pp, pc = self.aligners[aligners]
             prod, cons = {**prod, **pp}, {**cons, **pc}
+        cons = {**cons, **self.entry}
         meta = self.meta(patch_layers, block, code, ranks, layer_ranks, fallback)
         enc, dec = scd_sides(self.scorer, meta, prod, cons, self.memo, self.reuse_all if maps is None else None,
                              keep_blocks=[self.chosen_block] if self.chosen_block else [], block_tokens=block_tokens)
@@ -214,6 +218,9 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         report["patch_block"] = list(chosen_block)
         report["validation"]["served_block_kl"] = cur_kl
         t = stage("block_length", t)
+    if chosen_block and cfg.entry_map:
+        cur_kl = _entry_map(run, report, prompts, cur_kl, progress)
+        t = stage("entry_map", t)
     free = [l for l in range(L) if not (chosen_block and chosen_block[0] <= l < chosen_block[1] + run.exit_kv)]
     linear = {}
     for l in free:
@@ -261,7 +268,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
 
     prod_t, cons_t = run.reuse0 if maps is None else reuse_tensors(maps, cfg.reuse_code)
     pp, pc = patch_tensors(run.pcas, {l: aligners[l] for l in chosen})
-    prod_t, cons_t = {**prod_t, **pp}, {**cons_t, **pc}
+    prod_t, cons_t = {**prod_t, **pp}, {**cons_t, **pc, **run.entry}
     levels = {}
     if cfg.bytes_target and cfg.code_bits == 8:  # last: fewer levels change what every memoized decode holds
         served = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
@@ -289,6 +296,22 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         "report": report})
     folder = store.save(out, meta, prod_t, cons_t)
     return str(folder), report
+
+
+def _entry_map(run: _Run, report: dict, prompts: list[list[int]], cur_kl: float, progress: bool) -> float:
+    """Fit the chosen block's entry map and keep it if validation KL falls; returns the KL kept."""
+    a = run.chosen_block[0]
+    run.entry = fit_entry_map(run.producer, run.consumer, prompts, a, run.cfg.entry_map_ridge,
+                              run.cfg.max_prompt_tokens, progress)
+    blocks = lambda tag: tag.startswith("block-")  # noqa: E731 - the memoized blocks ran from the unmapped state
+    run.memo.forget(blocks)
+    kl = run.kl()
+    kept = kl < cur_kl
+    if not kept:
+        run.entry = {}
+        run.memo.forget(blocks)
+    report["entry_map"] = {"layer": a, "kl_without": cur_kl, "kl_with": kl, "kept": kept}
+    return kl if kept else cur_kl
 
 
 def _shorten_block(run: _Run, report: dict, cur_kl: float, progress: bool) -> tuple[tuple[int, int], float]:

@@ -20,7 +20,7 @@ from tools.cli.common import (
     validation_items,
 )
 
-METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "codes")
+METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "refine")
 
 
 @app.command()
@@ -32,8 +32,9 @@ def calibrate(
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_kv=192 (repeatable)."),
     method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts), droidspeak (recompute blocks), ridge "
                                           "(cross-model maps), spectrum (int4 probe), auto (the operating table "
-                                          "of every method the pair has: run it last) or codes (only scd's last "
-                                          "stage, the code levels, on the pair's existing artifacts)."),
+                                          "of every method the pair has: run it last) or refine (scd's newest "
+                                          "stages, the block's entry map and the code form, on the pair's "
+                                          "existing artifacts: minutes)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
@@ -91,8 +92,8 @@ def calibrate(
         if method == "auto":
             _auto(pm, out, pair, val_items, overrides, save_profile)
             return
-        if method == "codes":
-            _codes(pm, out, pair, val_items, overrides)
+        if method == "refine":
+            _refine(pm, out, pair, val_items, calibration_prompts(pm, data_file), overrides)
             return
         cal = calibration_prompts(pm, data_file)
         if method == "ridge":
@@ -194,53 +195,78 @@ def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profi
                            "seconds": table["report"]["seconds"]}))
 
 
-def _codes(pm, out: Path, pair: str, val_items: list, overrides: dict) -> None:
-    """SCD's code form on the pair's existing artifacts: per-channel scales (``code_channel``) and
-    the code levels stage (``bytes_target``, ``code_levels_min``), written back into the store."""
+def _refine(pm, out: Path, pair: str, val_items: list, cal: list, overrides: dict) -> None:
+    """scd calibration's newest stages on the pair's existing artifacts, written back into the store:
+    per-channel scales (``code_channel``), the PATCH block's entry map (``entry_map``, kept when
+    validation KL falls) and the code levels (``bytes_target``), each scored by the served method."""
     from shared.artifacts import store
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration import selection as sel
     from tools.calibration.levels import tune_levels
+    from tools.calibration.linalg import fit_entry_map
     from tools.calibration.scoring import Scorer, scd_sides
     from tools.calibration.settings import CalibrationSettings
     from tools.calibration.spill import SpillDir
 
-    allowed = {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min", "spill_dir"}
+    allowed = {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
+               "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens"}
     if set(overrides) - allowed:
-        raise ValueError(f"unknown codes settings {sorted(set(overrides) - allowed)}; codes takes {sorted(allowed)}")
+        raise ValueError(f"unknown refine settings {sorted(set(overrides) - allowed)}; refine takes {sorted(allowed)}")
     cfg = CalibrationSettings(pair=pair, **overrides)
-    if not cfg.bytes_target:
-        raise ValueError("bytes_target is required for the code levels stage (e.g. --set bytes_target=0.125)")
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
     meta, prod = store.load(out / pair, "producer", pfp, cfp)
     _, cons = store.load(out / pair, "consumer", pfp, cfp)
     if meta.code_bits != 8:
-        raise ValueError(f"pair {pair!r}'s codes are fp16 (code_bits={meta.code_bits}); levels apply to int8 codes")
+        raise ValueError(f"pair {pair!r}'s codes are fp16 (code_bits={meta.code_bits}); refine needs int8 codes")
+    cons = {k: v for k, v in cons.items() if not k.startswith("entry.")}  # a previous refine's map is refitted
     t0 = time.perf_counter()
     spill = SpillDir(cfg.spill_dir)
+    rep: dict = {}
     try:
         vps = sel.prepare_val(pm.producer, pm.consumer, [(it.prompt_ids, it.prefix_len) for it in val_items],
                               n_new=cfg.val_tokens, stop_ids=pm.fmt.stop_ids, spill_to=spill)
         scorer = Scorer(pm.producer, pm.consumer, vps, [it.kind for it in val_items])
-        before = scorer.kl(*scd_sides(scorer, meta.model_copy(update={"code_channel": [], "code_levels": {}}), prod,
-                                      cons))
-        scaled = meta.model_copy(update={"code_channel": list(cfg.code_channel), "code_levels": {}})
-        levels, rep = tune_levels(scorer, scaled, prod, cons, cfg.bytes_target, cfg.levels_tolerance,
-                                  cfg.code_levels_min)
+
+        def kl(m, c) -> float:
+            return scorer.kl(*scd_sides(scorer, m, prod, c))
+
+        meta = meta.model_copy(update={"code_channel": list(cfg.code_channel), "code_levels": {},
+                                       "block_entry_map": False})
+        rep["kl_before"] = kl(meta.model_copy(update={"code_channel": []}), cons)
+        rep["kl_channel_scales"] = kl(meta, cons)
+        if meta.patch_blocks and cfg.entry_map:
+            a = meta.patch_blocks[0][0]
+            entry = fit_entry_map(pm.producer, pm.consumer, [p[: cfg.max_prompt_tokens] for p in cal[: cfg.n_prompts]],
+                                  a, cfg.entry_map_ridge, cfg.max_prompt_tokens)
+            mapped = meta.model_copy(update={"block_entry_map": True})
+            with_map = kl(mapped, {**cons, **entry})
+            rep["entry_map"] = {"layer": a, "kl_without": rep["kl_channel_scales"], "kl_with": with_map,
+                                "kept": with_map < rep["kl_channel_scales"], "n_prompts": min(cfg.n_prompts, len(cal))}
+            if rep["entry_map"]["kept"]:
+                meta, cons = mapped, {**cons, **entry}
+        levels, rep["code_levels"] = tune_levels(scorer, meta, prod, cons, cfg.bytes_target, cfg.levels_tolerance,
+                                                 cfg.code_levels_min) if cfg.bytes_target else ({}, {})
     finally:
         spill.cleanup()
-    rep.update(kl_before=before, code_channel=list(cfg.code_channel), seconds=round(time.perf_counter() - t0, 1))
-    settings = {**meta.calibration.get("settings", {}), "code_channel": list(cfg.code_channel),
-                "bytes_target": cfg.bytes_target, "levels_tolerance": cfg.levels_tolerance,
-                "code_levels_min": cfg.code_levels_min}
-    new = scaled.model_copy(update={"code_levels": levels, "report": {**meta.report, "code_levels": rep},
-                                    "calibration": {**meta.calibration, "settings": settings}})
+    rep["seconds"] = round(time.perf_counter() - t0, 1)
+    settings = {**meta.calibration.get("settings", {}),
+                **{k: getattr(cfg, k) for k in ("code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
+                                                "entry_map", "entry_map_ridge")}}
+    new = meta.model_copy(update={"code_levels": levels, "report": {**meta.report, "refine": rep},
+                                  "calibration": {**meta.calibration, "settings": settings}})
     folder = store.save(out, new, prod, cons)
-    typer.echo(f"code levels {levels or 'none lowered'} with per-channel scales on {list(cfg.code_channel)}: "
-               f"validation KL {before:.4f} (before) -> {rep['kl_256_levels']:.4f} (scales, 256 levels) -> "
-               f"{rep['kl']:.4f}, {rep['bytes_vs_raw_fp16']:.3f}x raw fp16 bytes (target {cfg.bytes_target}); "
-               f"written to {folder}", err=not rep["met"])
-    typer.echo(json.dumps({k: v for k, v in rep.items() if k != "path"}))
+    lv = rep["code_levels"]
+    em = rep.get("entry_map")
+    typer.echo(f"validation KL {rep['kl_before']:.4f} (as loaded, no channel scales) -> {rep['kl_channel_scales']:.4f} "
+               f"(per-channel scales on {list(cfg.code_channel)})"
+               + (f" -> {em['kl_with']:.4f} (entry map at layer {em['layer']}, {'kept' if em['kept'] else 'dropped'})"
+                  if em else "")
+               + (f" -> {lv['kl']:.4f} (code levels {levels or 'none lowered'}, {lv['bytes_vs_raw_fp16']:.3f}x raw fp16 "
+                  f"bytes, target {cfg.bytes_target})" if lv else "")
+               + f"; written to {folder}", err=bool(lv) and not lv["met"])
+    typer.echo(json.dumps({"seconds": rep["seconds"], "kl_before": rep["kl_before"],
+                           "kl_channel_scales": rep["kl_channel_scales"], "entry_map": em,
+                           "code_levels": {k: v for k, v in lv.items() if k != "path"}}))
 
 
 def _sha(path: Path) -> str:
