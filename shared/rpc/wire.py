@@ -70,7 +70,8 @@ def decompress(data: bytes, how: int, raw_size: int) -> bytes:
         return lz4.frame.LZ4FrameDecompressor().decompress(data, max_length=raw_size + 1)
     if how == pb.COMPRESSION_NONE:
         return data
-    raise InvalidPayload(f"chunk compression {how} is not one of {sorted(COMPRESSIONS)} ({sorted(COMPRESSIONS.values())})")
+    raise InvalidPayload(f"chunk compression {how} is not one of {sorted(COMPRESSIONS)} "
+                         f"({sorted(COMPRESSIONS.values())})")
 
 
 def crc32c(data: bytes) -> int:

@@ -139,6 +139,16 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
     shown = scd("pair", "show", "tiny-lora", env=env).stdout
     assert "consumer_adapter" in shown and str(f / "adapter") in shown
     scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "-q", *TINY_SETTINGS, env=env)
+    # the newest stages again on the artifacts just made: the entry map refitted, the levels re-chosen
+    refined = json.loads(scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method",
+                             "refine", "-q", "--set", "n_val=4", "--set", "val_tokens=8", "--set", "n_prompts=8",
+                             env=env).stdout.strip().splitlines()[-1])
+    assert refined["entry_map"]["kept"] == (refined["entry_map"]["kl_with"] < refined["entry_map"]["kl_without"])
+    assert refined["code_levels"]["kl"] <= refined["code_levels"]["kl_bound"]
+    bad = subprocess.run([str(VENV_BIN / "scd"), "calibrate", "--pair", "tiny-lora", "--data",
+                          str(f / "prompts.jsonl"), "--method", "refine", "--set", "r_kv=8"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unknown refine settings ['r_kv']" in bad.stderr
     for kind, extra in (("droidspeak", ["--set", "budget_layers=2", "--set", "block_len=2", "--set", "n_val=4"]),
                         ("spectrum", ["--set", "trials=2"]), ("ridge", ["--set", "top_ks=[1]", "--set", "n_val=4"])):
         scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method", kind, "-q", *extra,

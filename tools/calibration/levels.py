@@ -63,7 +63,8 @@ def tune_levels(scorer: Scorer, meta: ArtifactMeta, prod: dict, cons: dict, targ
                     bar.update()
             ok = [c for c in cands if c["kl"] <= bound]
             if not ok:
-                path.append({"stopped": "every step exceeds the KL bound" if cands else f"every kind at {min_bits} bits",
+                why = "every step exceeds the KL bound" if cands else f"every kind at {min_bits} bits"
+                path.append({"stopped": why,
                              "tried": [{"levels": c["levels"], "kl": c["kl"], "bytes_per_token": c["bytes_per_token"]}
                                        for c in cands]})
                 break
@@ -74,8 +75,8 @@ def tune_levels(scorer: Scorer, meta: ArtifactMeta, prod: dict, cons: dict, targ
                                            "bytes_per_token": c["bytes_per_token"]} for c in cands]})
     met = cur["bytes_vs_raw_fp16"] <= target
     if not met:
-        log.warning("code levels: %s sends %.3fx raw fp16 bytes, over the target %.3fx: %s", cur["levels"] or "256 levels",
-                    cur["bytes_vs_raw_fp16"], target, path[-1].get("stopped", ""))
+        log.warning("code levels: %s sends %.3fx raw fp16 bytes, over the target %.3fx: %s",
+                    cur["levels"] or "256 levels", cur["bytes_vs_raw_fp16"], target, path[-1].get("stopped", ""))
     report = {"target": target, "tolerance": tolerance, "kl_bound": bound, "min_bits": min_bits, "kinds": kinds,
               "path": path, "met": met,
               "levels": cur["levels"], "kl": cur["kl"], "kl_256_levels": path[0]["kl"],

@@ -261,8 +261,8 @@ def _refine(pm, out: Path, pair: str, val_items: list, cal: list, overrides: dic
                f"(per-channel scales on {list(cfg.code_channel)})"
                + (f" -> {em['kl_with']:.4f} (entry map at layer {em['layer']}, {'kept' if em['kept'] else 'dropped'})"
                   if em else "")
-               + (f" -> {lv['kl']:.4f} (code levels {levels or 'none lowered'}, {lv['bytes_vs_raw_fp16']:.3f}x raw fp16 "
-                  f"bytes, target {cfg.bytes_target})" if lv else "")
+               + (f" -> {lv['kl']:.4f} (code levels {levels or 'none lowered'}, "
+                  f"{lv['bytes_vs_raw_fp16']:.3f}x raw fp16 bytes, target {cfg.bytes_target})" if lv else "")
                + f"; written to {folder}", err=bool(lv) and not lv["met"])
     typer.echo(json.dumps({"seconds": rep["seconds"], "kl_before": rep["kl_before"],
                            "kl_channel_scales": rep["kl_channel_scales"], "entry_map": em,
