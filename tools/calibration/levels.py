@@ -33,6 +33,12 @@ def candidate_bytes(scorer: Scorer, enc) -> float:
     return sum(scorer.bytes_per_token(enc, l, i) for i in range(n) for l in range(scorer.consumer.n_layers)) / n
 
 
+def _cost(cur: dict, cand: dict) -> tuple[bool, float]:
+    """Sort key of a step: the least KL per byte saved first; a step that saves no bytes ranks last."""
+    saved = cur["bytes_per_token"] - cand["bytes_per_token"]
+    return saved <= 0, (cand["kl"] - cur["kl"]) / saved if saved > 0 else cand["kl"] - cur["kl"]
+
+
 def tune_levels(scorer: Scorer, meta: ArtifactMeta, prod: dict, cons: dict, target: float, tolerance: float,
                 min_bits: int = 4, progress: bool = True) -> tuple[dict[str, int], dict]:
     """(levels per kind, report) for ``meta``'s SCD with these artifact tensors: the greedy descent
@@ -68,9 +74,7 @@ def tune_levels(scorer: Scorer, meta: ArtifactMeta, prod: dict, cons: dict, targ
                              "tried": [{"levels": c["levels"], "kl": c["kl"], "bytes_per_token": c["bytes_per_token"]}
                                        for c in cands]})
                 break
-            # least KL per byte saved (a step that saves nothing ranks last)
-            cur = min(ok, key=lambda c: (c["kl"] - cur["kl"]) / max(cur["bytes_per_token"] - c["bytes_per_token"],
-                                                                       1e-9))
+            cur = min(ok, key=lambda c: _cost(cur, c))
             path.append({**cur, "tried": [{"levels": c["levels"], "kl": c["kl"],
                                            "bytes_per_token": c["bytes_per_token"]} for c in cands]})
     met = cur["bytes_vs_raw_fp16"] <= target
