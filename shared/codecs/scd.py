@@ -247,8 +247,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.levels = dict(self.meta.code_levels) if calibrated and self.uses_levels else {}
         self.channel = frozenset(self.meta.code_channel) if calibrated else frozenset()
         self.entry_map = getattr(cfg, "entry_map", "none") == "auto" and self.meta.block_entry_map
-        missing = [f"entry.{x}.{a}" for a, _ in self.blocks for x in ("w", "mu_p", "mu_c")
-                   if self.entry_map and art.side == "consumer" and f"entry.{x}.{a}" not in art.tensors]
+        held = art.tensors if self.entry_map and art.side == "consumer" else None  # only the consumer applies it
+        missing = [] if held is None else [f"entry.{x}.{a}" for a, _ in self.blocks for x in ("w", "mu_p", "mu_c")
+                                           if f"entry.{x}.{a}" not in held]
         if missing:
             raise ConfigError(f"the {self.meta.pair!r} artifacts declare a block entry map but lack {missing}: "
                               f"recalibrate (scd calibrate --pair {self.meta.pair} --method refine)")

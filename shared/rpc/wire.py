@@ -3,8 +3,8 @@
 A request's stream is: one ``Header``, then per layer in increasing order the chunks of that
 layer's tensors (each tensor's bytes split into chunks of at most ``CHUNK_BYTES`` before
 compression, compressed as the chunk says: zstd by default, lz4 or none; crc32c of the uncompressed
-bytes), the last chunk of a layer
-flagged ``layer_done``, then one ``Trailer`` with totals and a checksum over the chunk checksums.
+bytes), the last chunk of a layer flagged ``layer_done``, then one ``Trailer`` with totals and a
+checksum over the chunk checksums.
 
 ``FrameDecoder`` validates everything before it allocates: a chunk must belong to a tensor the
 method declares for that layer (``plan``), sizes are bounded, offsets must be contiguous,
