@@ -57,5 +57,12 @@ class EngineModel:
         cos, sin = self._cos_sin(keys, start)
         return keys * cos - rotate_half(keys) * sin
 
-    def layer_cache_entry(self, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
-        return self.apply_rope(keys.to(self.device, self.dtype), start)
+    @torch.no_grad()
+    def rope_tables(self, length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [1, 1, length, D] of positions start..start+length-1, for ``rotate``."""
+        return self._cos_sin(torch.empty(1, 1, length, 1, dtype=self.dtype, device=self.device), start)
+
+    def rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [B, H, T, D] rotated by tables from ``rope_tables`` (the consumer's cache entries)."""
+        keys = keys.to(self.device, self.dtype)
+        return keys * cos + rotate_half(keys) * sin

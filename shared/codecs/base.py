@@ -94,6 +94,7 @@ class DecodeSession(ABC):
     def __init__(self, method: "TransferMethod", job: DecodeJob):
         self.method, self.job, self.model = method, job, method.ctx.model
         self._rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # this prompt's RoPE tables, made once
 
     def schema(self, layer: int) -> Schema:
         """The tensors ``layer`` must carry (names, dtypes, shapes), as the method declares them."""
@@ -124,7 +125,9 @@ class DecodeSession(ABC):
     def _entry(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(layer, k, v)
         k, v = self.with_prefix(layer, k, v)
-        return self.model.layer_cache_entry(k), v
+        if self._rope is None:
+            self._rope = self.model.rope_tables(k.shape[2])
+        return self.model.rotate(k, *self._rope), v
 
     def with_prefix(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the transferred positions [start, n) preceded by the native prefix's own [0, start),
@@ -141,7 +144,7 @@ class DecodeSession(ABC):
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
                 raise InvalidPayload(f"layer {layer} {name} decodes to shape {tuple(t.shape)}; expected {want}")
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise DataLoss(f"layer {layer} {name} decodes to non-finite values: the payload is corrupt")
 
     @abstractmethod
@@ -153,6 +156,14 @@ class DecodeSession(ABC):
         if len(self._rotated) != self.model.n_layers:
             raise InvalidPayload(f"stream ended after {len(self._rotated)} of {self.model.n_layers} layers")
         return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of a floating-point tensor is finite: one pass (a sum, which is finite
+    only if every element is), and the exact elementwise test only when the sum is not (it may also
+    overflow on huge finite values)."""
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(t.sum(dtype=acc))) or bool(torch.isfinite(t).all())
 
 
 def check_tensors(kind: str, layer: int, schema: Schema, tensors: dict[str, torch.Tensor]) -> None:
@@ -168,7 +179,7 @@ def check_tensors(kind: str, layer: int, schema: Schema, tensors: dict[str, torc
         why = spec.mismatch(t.dtype, tuple(t.shape))
         if why:
             raise InvalidPayload(f"{kind} layer {layer} tensor {name!r}: {why}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not all_finite(t):
             raise DataLoss(f"{kind} layer {layer} tensor {name!r} holds NaN or infinite values: the payload is corrupt")
 
 

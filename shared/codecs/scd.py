@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -55,6 +55,10 @@ class PairArtifacts:
 class SCDSession(BlockSession):
     method: SCD
 
+    def __init__(self, method, job):
+        super().__init__(method, job)
+        self._sparse: _SparseState | None = None
+
     def decode_outside(self, layer, tensors):
         return self.method.decode_tensors(layer, tensors)
 
@@ -70,97 +74,127 @@ class SCDSession(BlockSession):
             self._block_kv[b] = (k[:, :, s:], v[:, :, s:])
 
     def decode_layer(self, layer, tensors):
-        block = self.method.block_at(layer)
-        if block is None or self.method.block_tokens >= 1:
+        cfg = self.method
+        if cfg.block_tokens >= 1:
             return super().decode_layer(layer, tensors)
-        # a token-sparse block: every layer of it carries REUSE codes, kept until the block's last
-        # layer has arrived; then the selected positions are recomputed over the others' codes
-        a, b = block
-        if layer == a:
-            self._entry_h = self.entry_state(tensors, block)
-            self._entry_scores = tensors.get("score")
-            self._codes = {}
-        kv = self.method._reuse(layer, tensors)
-        self._codes[layer] = kv
-        if layer < b - 1:
-            return kv
-        out = self.run_sparse_block(self._entry_h, block)
-        for l in range(a, b - 1):
-            self.replace_layer(l, *out[l])
-        self._codes = {}
-        return out[b - 1]
+        block = cfg.block_at(layer)
+        if block is not None:
+            return self.sparse_layer(layer, tensors, block)
+        if layer in cfg.sparse_exit and self._sparse is not None:
+            return self.sparse_exit(layer, tensors)
+        return self.decode_outside(layer, tensors)
 
-    def run_sparse_block(self, h, block):
-        """The block recomputed for the selected positions only, over the others' REUSE K/V (the
-        native prefix's own K/V where the consumer has them), one layer at a time.
+    # ------------------------------------------------------------------ the token-sparse block
+    def sparse_layer(self, layer, tensors, block):
+        """One layer of a token-sparse block, run as soon as its codes arrive: the selected positions
+        are recomputed over the others' REUSE K/V (the native prefix's own K/V where the consumer
+        has them), which ``block_fit=heads`` first corrects per KV head by a ridge map fitted on
+        this prompt's recomputed positions (their REUSE K/V to their own, captured as the layer
+        runs). At the block's entry the positions and their residual-stream states arrive: the
+        producer chose them (``block_select=producer``: the top of its attention from the prompt's
+        last tokens, summed over the block's layers, and always the last 16), or with
+        ``block_select=attention`` the consumer chooses from its projections of the entry state."""
+        cfg, s = self.method, self.job.start
+        if layer == block[0]:
+            self._sparse = self.start_sparse(tensors, block)
+        sp = self._sparse
+        assert sp is not None
+        k, v = self.with_prefix(layer, *cfg._reuse(layer, tensors))
+        correct = self.corrector(sp.idx) if cfg.block_fit == "heads" and sp.fits else None
+        sp.x, k, v = sp.run.step(sp.x, layer, k, v, correct)
+        return k[:, :, s:], v[:, :, s:]
 
-        Which positions: the last 16, then those the prompt's last tokens attend to most, in the
-        producer's attention over the block's layers (the scores it sent), or with
-        ``block_select=attention`` at the entry layer, from the consumer's own projections of the
-        entry state. With ``block_fit=heads`` each layer's REUSE K/V of the positions not
-        recomputed are corrected before the recomputed ones attend to them: per KV head, a ridge
-        map fitted on this prompt's recomputed positions (their REUSE K/V to their native K/V,
-        computed from their own residual states)."""
+    def start_sparse(self, tensors, block) -> "_SparseState":
+        from shared.model.hf_adapter import SparseLayers
+
         a, b = block
         m, cfg = self.model, self.method
         n, s = self.job.n_tokens, self.job.start
-        self.check_entry(h, block)
-        h = h.to(m.device, m.dtype)
-        n_keep = min(n - s, max(1, round(cfg.block_tokens * (n - s))))
-        if cfg.sends_scores:
-            score = self._entry_scores.to(m.device).float()
-            if not torch.isfinite(score).all():
-                raise InvalidPayload(f"{cfg.kind} block {a}-{b}: the producer's position scores are not finite")
+        n_keep = cfg.n_keep(n, s)
+        if cfg.sends_positions:
+            idx = tensors["pos"].to(m.device).long()
+            if not (bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= s and int(idx[-1]) < n):
+                raise InvalidPayload(f"{cfg.kind} block {a}-{b}: the recomputed positions must be increasing and "
+                                     f"within [{s}, {n})")
+            h = cfg._uncode(tensors, "r", m.hidden_size)
+            if cfg.entry_map:
+                h = cfg.map_entry(h, a, idx)
+            x = h
         else:
+            h = self.entry_state(tensors, block)
+            self.check_entry(h, block)
+            h = h.to(m.device, m.dtype)
             score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
-        score[n - min(16, n):] = float("inf")
-        score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
-        idx = torch.topk(score, n_keep).indices.sort().values
-        x = h[idx].unsqueeze(0)
-        out = {}
-        for layer in range(a, b):
-            k, v = self.with_prefix(layer, *self._codes[layer])
-            if cfg.block_fit == "heads" and n_keep < n - s:
-                k, v = self.fitted(layer, k, v, x, idx, s)
-            x, ks, vs = m.run_layers_sparse(x, idx, [k], [v], layer, layer + 1)
-            out[layer] = (ks[0][:, :, s:], vs[0][:, :, s:])
-        return out
+            score[n - min(16, n):] = float("inf")
+            score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
+            idx = torch.topk(score, n_keep).indices.sort().values
+            x = h[idx]
+        return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), n_keep < n - s)
 
-    def fitted(self, layer, k, v, x, idx, start):
-        """``layer``'s K/V [1, H, T, D] with the rows outside ``idx`` (and after the native prefix)
-        mapped per KV head by the ridge fit of the selected rows' native K/V (from their residual
-        states ``x``) on their REUSE K/V."""
-        m = self.model
-        kn, vn = m.kv_from_residual(layer, x)
-        out = []
-        for given, native in ((k, kn), (v, vn)):
-            rows = to_rows(given)
-            fit = head_ridge(rows, idx, to_rows(native), m.head_dim, self.method.block_fit_lambda)
-            fit[:start] = rows[:start]
-            out.append(from_rows(fit, m.n_kv_heads, m.head_dim))
-        return out[0], out[1]
+    def sparse_exit(self, layer, tensors):
+        """The layer after a token-sparse block: the recomputed positions' native K/V from their block
+        output state, the others' from their codes, corrected by the same per-prompt fit."""
+        sp, s = self._sparse, self.job.start
+        assert sp is not None
+        k, v = self.with_prefix(layer, *self.decode_outside(layer, tensors))
+        nk, nv = self.model.kv_from_residual(layer, sp.x)
+        if self.method.block_fit == "heads" and sp.fits:
+            k, v = self.corrector(sp.idx)(k, v, nk, nv)
+        k, v = k.clone(), v.clone()
+        k[:, :, sp.idx], v[:, :, sp.idx] = nk.to(k.dtype), nv.to(v.dtype)
+        self._sparse = None
+        return k[:, :, s:], v[:, :, s:]
+
+    def corrector(self, idx):
+        """K/V [1, H, T, D] with the rows after the native prefix mapped per KV head by the ridge fit
+        of the rows ``idx`` on the native K/V given for them ([1, H, S, D])."""
+        lam, start = self.method.block_fit_lambda, self.job.start
+
+        def correct(k, v, nk, nv):
+            out = []
+            for given, native in ((k, nk), (v, nv)):
+                fit = heads_ridge(given[0], idx, native[0], lam)
+                fit[:, :start] = given[0, :, :start]
+                out.append(fit.unsqueeze(0))
+            return out[0], out[1]
+
+        return correct
+
+
+@dataclass
+class _SparseState:
+    idx: torch.Tensor  # the recomputed positions [S], sorted
+    x: torch.Tensor  # their residual-stream states [1, S, d] at the next layer's input
+    run: Any  # SparseLayers
+    fits: bool  # some positions are not recomputed (their K/V get the per-prompt fit)
+
+
+def heads_ridge(given: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, lam: float) -> torch.Tensor:
+    """``given`` [H, T, D] mapped per head by the affine map fitted on ``given[:, idx]`` -> ``target``
+    [H, S, D]: the identity plus a ridge-regularized linear correction (penalty ``lam`` times the
+    mean of the centred Gram's diagonal), so that with few samples it stays near the rows as given.
+    The selected rows get ``target`` itself. Solved in float32 whatever the model's dtype; every head
+    in one batched solve."""
+    dtype, rows = given.dtype, given.float()
+    x, y = rows[:, idx], target.float()
+    mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)
+    xc = x - mx
+    g = xc.transpose(1, 2) @ xc  # [H, D, D]
+    ridge = lam * g.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
+    g = g + ridge.view(-1, 1, 1) * torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+    w = torch.linalg.solve(g, xc.transpose(1, 2) @ (y - my - xc))
+    out = rows + (rows - mx) @ w + (my - mx)
+    out[:, idx] = y
+    return out.to(dtype)
 
 
 def head_ridge(rows: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, width: int, lam: float) -> torch.Tensor:
-    """``rows`` [T, H*width] mapped, per block of ``width`` columns (a KV head), by the affine map
-    fitted on ``rows[idx]`` -> ``target`` [len(idx), H*width]: the identity plus a ridge-regularized
-    linear correction (penalty ``lam`` times the mean of the centred Gram's diagonal), so that with
-    few samples it stays near the rows as given. The selected rows get ``target`` itself. Solved in
-    float32 whatever the model's dtype."""
-    dtype, rows = rows.dtype, rows.float()
-    out = rows.clone()
-    x, y = rows[idx], target.float()
-    eye = torch.eye(width, dtype=rows.dtype, device=rows.device)
-    for c in range(0, rows.shape[1], width):
-        xb, yb = x[:, c:c + width], y[:, c:c + width]
-        mx, my = xb.mean(0), yb.mean(0)
-        xc = xb - mx
-        g = xc.T @ xc
-        g = g + lam * g.diagonal().mean().clamp_min(1e-12) * eye
-        w = torch.linalg.solve(g, xc.T @ (yb - my - xc))
-        out[:, c:c + width] = rows[:, c:c + width] + (rows[:, c:c + width] - mx) @ w + (my - mx)
-    out[idx] = y
-    return out.to(dtype)
+    """``heads_ridge`` on token rows: ``rows`` [T, H*width] mapped per block of ``width`` columns (a
+    KV head) by the fit of ``rows[idx]`` -> ``target`` [len(idx), H*width]."""
+    t, s = rows.shape[0], target.shape[0]
+    heads = rows.view(t, -1, width).transpose(0, 1)
+    out = heads_ridge(heads, idx, target.view(s, -1, width).transpose(0, 1), lam)
+    return out.transpose(0, 1).reshape(t, -1)
 
 
 def code_kind(prefix: str) -> str:
@@ -191,8 +225,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         block_select: Literal["producer", "attention"] = "producer"
         """With ``block_tokens`` < 1, which positions are recomputed besides the last 16: those the
         prompt's last 32 tokens attend to most, ``producer`` (default) by the producer's own
-        attention summed over the block's layers, sent as one fp16 score per position (2 bytes a
-        token); ``attention``: by the consumer's attention at the entry layer, from the entry state."""
+        attention summed over the block's layers: the producer then sends the entry state of those
+        positions only, with their indices (4 bytes each); ``attention``: by the consumer's attention
+        at the entry layer, from the entry state of every position (which then crosses whole)."""
         block_fit: Literal["heads", "none"] = "heads"
         """With ``block_tokens`` < 1, ``heads`` (default): before each block layer, the positions
         not recomputed get their REUSE K/V corrected by a ridge map per KV head fitted at run time on
@@ -232,11 +267,14 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
         sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
         self.block_select = getattr(cfg, "block_select", "attention")
-        self.sends_scores = sparse and self.block_select == "producer"
+        self.sends_positions = sparse and self.block_select == "producer"
         self.block_fit = getattr(cfg, "block_fit", "none")
         self.block_fit_lambda = float(getattr(cfg, "block_fit_lambda", 1.0))
-        self.exit_layers = frozenset(b for _, b in self.blocks if b < n_layers) \
-            if self.meta.block_exit_kv and not sparse else frozenset()
+        exits = frozenset(b for _, b in self.blocks if b < n_layers) if self.meta.block_exit_kv else frozenset()
+        self.exit_layers = frozenset() if sparse else exits
+        self.sparse_exit = exits if sparse else frozenset()
+        """After a token-sparse block, the next layer's codes are corrected by the block's fit, and
+        the recomputed positions take their native K/V from their block output state."""
         recomputed = {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
         self.patch -= recomputed
         use_fallback = getattr(cfg, "fallback", "auto") == "auto"
@@ -272,7 +310,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         return self.meta.fallback_layers
 
     def hidden_layers(self) -> tuple[int, ...]:
-        scored = {l for a, b in self.blocks for l in range(a, b)} if self.sends_scores else set()
+        scored = {l for a, b in self.blocks for l in range(a, b)} if self.sends_positions else set()
         return tuple(sorted(self.patch | scored))
 
     def rank(self, layer: int) -> int:
@@ -298,9 +336,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         a = self.art
         block = self.block_at(layer)
         if block is not None:  # the whole prompt's state at the entry: the recompute attends to every position
-            entry = self._code(state.residual[layer][0].float(), "r") if layer == block[0] else {}
-            if entry and self.sends_scores:
-                entry["score"] = self._scores(state, block).to(torch.float16)
+            entry = self._entry_tensors(state, block, start) if layer == block[0] else {}
             if self.block_tokens < 1:  # a sparse block: the positions not recomputed need their codes
                 return {**entry, **self._encode_reuse(state, layer, start)}
             return entry or skip_tensors()
@@ -311,6 +347,24 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
             return self._code(u, "u")
         return self._encode_reuse(state, layer, start)
+
+    def n_keep(self, n_tokens: int, start: int) -> int:
+        """How many positions a token-sparse block recomputes: ``block_tokens`` of those after the
+        native prefix, at least one."""
+        return min(n_tokens - start, max(1, round(self.block_tokens * (n_tokens - start))))
+
+    def _entry_tensors(self, state, block, start) -> dict[str, torch.Tensor]:
+        """A block entry's tensors: the residual-stream state of every position, or for a token-sparse
+        block whose positions the producer chooses, of those positions only, with the positions."""
+        h = state.residual[block[0]][0].float()
+        if not self.sends_positions:
+            return self._code(h, "r")
+        n = state.n_tokens
+        score = self._scores(state, block).float()
+        score[n - min(16, n):] = float("inf")  # the prompt's last positions always
+        score[:start] = float("-inf")  # the native prefix's K/V are the consumer's own already
+        idx = torch.topk(score, self.n_keep(n, start)).indices.sort().values
+        return {**self._code(h[idx], "r"), "pos": idx.to(torch.int32)}
 
     def _scores(self, state, block) -> torch.Tensor:
         """How much the prompt's last 32 tokens attend to each position [n_tokens], in the
@@ -346,9 +400,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
     def schema(self, layer, job):
         block, meta = self.block_at(layer), self.meta
         if block is not None:
-            entry = self._code_schema("r", job.n_tokens, self.ctx.model.hidden_size) if layer == block[0] else {}
-            if entry and self.sends_scores:
-                entry["score"] = TensorSpec(torch.float16, (job.n_tokens,))
+            rows = self.n_keep(job.n_tokens, job.start) if self.sends_positions else job.n_tokens
+            entry = self._code_schema("r", rows, self.ctx.model.hidden_size) if layer == block[0] else {}
+            if entry and self.sends_positions:
+                entry["pos"] = TensorSpec(torch.int32, (rows,))
             if self.block_tokens < 1:
                 return {**entry, **self._reuse_schema(layer, job)}
             return entry or SKIP
@@ -412,15 +467,16 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
             h = self._aligner(layer)(u).unsqueeze(0)
         return self.ctx.model.regenerate_kv(layer, h)
 
-    def map_entry(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        """The entry state [n_tokens, d] mapped toward the consumer's own residual stream at block
-        entry ``layer`` (``x + (x - mu_p) W + mu_c - mu_p``); the first position, the attention
-        sink, keeps the producer's state (the map is not fitted on it)."""
+    def map_entry(self, h: torch.Tensor, layer: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Entry states [rows, d] (of every position, or of ``positions``) mapped toward the consumer's
+        own residual stream at block entry ``layer`` (``x + (x - mu_p) W + mu_c - mu_p``); position 0,
+        the attention sink, keeps the producer's state (the map is not fitted on it)."""
         dev = h.device
         w, mp, mc = (self.art.t(f"entry.{x}.{layer}", dev) for x in ("w", "mu_p", "mu_c"))
-        x = h[1:].float()
-        out = h.clone()
-        out[1:] = (x + (x - mp) @ w + (mc - mp)).to(h.dtype)
+        x = h.float()
+        out = (x + (x - mp) @ w + (mc - mp)).to(h.dtype)
+        sink = (positions == 0) if positions is not None else torch.arange(h.shape[0], device=dev) == 0
+        out[sink] = h[sink]
         return out
 
     def decode_tensors(self, layer, tensors):

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from shared.errors import ConfigError
@@ -87,17 +88,78 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _ScatterCache:
-    """Stands in for a transformers ``Cache`` inside ``run_layers_sparse``: a layer's update writes
-    the recomputed positions' rotated K/V into that layer's full-length K/V and returns all of it."""
+    """Stands in for a transformers ``Cache`` inside a token-sparse layer run (``SparseLayers``): a
+    layer's update takes the given pre-RoPE K/V of every position, lets ``correct`` adjust them from
+    the recomputed positions' native K/V (captured before RoPE), writes those native K/V at their
+    positions and returns the rotated keys and the values of every position."""
 
-    def __init__(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor], positions: torch.Tensor):
-        self.keys, self.values, self.positions = keys, values, positions
+    def __init__(self, run: "SparseLayers"):
+        self.run = run
+        self.keys: torch.Tensor | None = None  # the given K/V of the layer being run, pre-RoPE [1, H, T, D]
+        self.values: torch.Tensor | None = None
+        self.native_k: torch.Tensor | None = None  # the recomputed positions' own pre-RoPE keys [1, H, S, D]
+        self.correct = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[:, :, self.positions] = key_states.to(k.dtype)
-        v[:, :, self.positions] = value_states.to(v.dtype)
-        return k, v
+        run, pos = self.run, self.run.positions
+        k, v = self.keys, self.values
+        assert k is not None and v is not None and self.native_k is not None
+        if self.correct is not None:
+            k, v = self.correct(k, v, self.native_k, value_states)
+        k, v = k.clone(), v.clone()
+        k[:, :, pos] = self.native_k.to(k.dtype)
+        v[:, :, pos] = value_states.to(v.dtype)
+        self.keys, self.values = k, v  # pre-RoPE, what the layer run returns
+        rotated = k * run.cos + rotate_half(k) * run.sin
+        rotated[:, :, pos] = key_states.to(k.dtype)
+        return rotated, v
+
+
+class SparseLayers:
+    """Decoder layers run for some positions only (CacheBlend-style selective recompute), one layer
+    at a time, so that a consumer can run each layer as its codes arrive. ``positions`` [S] (sorted,
+    unique) are recomputed from their residual-stream states; every other position's pre-RoPE K/V
+    are given per layer. The recomputed positions attend to every position up to their own (the
+    given K/V elsewhere, their own new K/V). The masks, RoPE tables and position embeddings are
+    built once for the run."""
+
+    def __init__(self, adapter: "ModelAdapter", positions: torch.Tensor, n_tokens: int):
+        self.adapter = adapter
+        dev, dt = adapter.device, adapter.dtype
+        self.positions = positions.to(dev)
+        pos = self.positions.view(1, -1)
+        self._pos = pos
+        self.cos, self.sin = adapter.rope_tables(n_tokens)  # [1, 1, T, D]
+        self.pe = (self.cos[:, 0, self.positions], self.sin[:, 0, self.positions])
+        kpos = torch.arange(n_tokens, device=dev)
+        allowed = kpos.view(1, -1) <= pos.view(-1, 1)  # [S, T] causal by position
+        masks = {"full_attention": allowed}
+        window = getattr(adapter.config, "sliding_window", None)
+        if window:
+            masks["sliding_attention"] = allowed & (kpos.view(1, -1) > pos.view(-1, 1) - window)
+        neg = torch.finfo(dt).min
+        self.masks = {kind: torch.zeros(m.shape, dtype=dt, device=dev).masked_fill(~m, neg)[None, None]
+                      for kind, m in masks.items()}
+        self._cache = _ScatterCache(self)
+
+    @torch.inference_mode()
+    def step(self, x: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.Tensor, correct=None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run ``layer`` for the recomputed positions: ``x`` [1, S, d] their residual-stream input,
+        ``keys``/``values`` [1, H, T, D] every position's given pre-RoPE K/V. ``correct(k, v,
+        native_k, native_v)``, if given, returns every position's K/V adjusted from the recomputed
+        positions' own (pre-RoPE, [1, H, S, D]) before they are attended to. Returns the positions'
+        residual output and the layer's K/V, the recomputed positions' replaced by their own."""
+        a = self.adapter
+        dev, dt = a.device, a.dtype
+        c = self._cache
+        c.keys, c.values, c.correct = keys.to(dev, dt), values.to(dev, dt), correct
+        with a._capture_keys(layer, c):
+            out = a.layers[layer](x.to(dev, dt), attention_mask=self.masks[a.layer_type(layer)],
+                                  position_ids=self._pos, position_embeddings=self.pe, **{a._layer_cache_kw: c})
+        k, v = c.keys, c.values
+        c.keys = c.values = c.native_k = c.correct = None
+        return out, k, v
 
 
 def kv_geometry(cfg) -> tuple[int, int, int, int, int]:
@@ -147,8 +209,17 @@ class ModelAdapter:
 
     def apply_rope(self, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Rotate pre-RoPE keys [B, H, T, D] to positions start..start+T-1 with this model's RoPE."""
-        cos, sin = self._rope(keys, start, keys.shape[2])
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self.rotate(keys, *self.rope_tables(keys.shape[2], start))
+
+    def rope_tables(self, length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [1, 1, length, D] of positions start..start+length-1, for ``rotate``."""
+        probe = torch.empty(1, 1, dtype=self.dtype, device=self.device)
+        cos, sin = self._rope(probe, start, length)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys [B, H, T, D] rotated by tables from ``rope_tables`` (T positions)."""
+        keys = keys.to(self.device, self.dtype)
         return keys * cos + rotate_half(keys) * sin
 
     # ------------------------------------------------------------------ capture
@@ -228,15 +299,19 @@ class ModelAdapter:
             cache.update(self.apply_rope(k, start), v.to(self.device, self.dtype), i)
         return cache
 
-    def layer_cache_entry(self, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """RoPE-rotated keys for one layer (for incremental, layer-by-layer cache building)."""
-        return self.apply_rope(keys.to(self.device, self.dtype), start)
-
     @staticmethod
     def cache_from_rotated(rotated: Sequence[tuple[torch.Tensor, torch.Tensor]], config) -> DynamicCache:
+        """A cache holding these rotated K/V per layer. A full-attention layer takes the tensors as
+        they are (``update`` would copy them onto an empty tensor); a sliding one goes through its
+        own ``update``, which keeps its count of positions seen."""
         cache = DynamicCache(config=config)
         for i, (k, v) in enumerate(rotated):
-            cache.update(k, v, i)
+            layer = cache.layers[i] if i < len(cache.layers) else None
+            if type(layer) is DynamicLayer:
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            else:
+                cache.update(k, v, i)
         return cache
 
     @staticmethod
@@ -320,43 +395,37 @@ class ModelAdapter:
         self, residual: torch.Tensor, positions: torch.Tensor, keys: Sequence[torch.Tensor],
         values: Sequence[torch.Tensor], first: int, last: int,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Run decoder layers ``first..last-1`` for some positions only (CacheBlend-style selective
-        recompute). ``residual`` [1, S, d] holds the residual-stream states of ``positions`` [S]
-        (sorted); ``keys``/``values`` hold, per layer of the range, pre-RoPE K/V [1, H, T, D] of
-        every position, taken as given for the positions not recomputed. The recomputed positions
-        attend to all positions up to their own (the given K/V elsewhere, their own new K/V). Returns
-        the residual output of ``positions`` and each layer's K/V, the recomputed positions replaced
-        by native ones. With every position selected this is ``run_layers``."""
+        """Run decoder layers ``first..last-1`` for some positions only (``SparseLayers``, every
+        layer of the range at once). ``residual`` [1, S, d] holds the residual-stream states of
+        ``positions`` [S] (sorted); ``keys``/``values`` hold, per layer of the range, pre-RoPE K/V
+        [1, H, T, D] of every position, taken as given for the positions not recomputed. Returns the
+        residual output of ``positions`` and each layer's K/V, the recomputed positions replaced by
+        native ones. With every position selected this is ``run_layers``."""
         if not 0 <= first < last <= self.n_layers:
             raise ValueError(f"layer range must satisfy 0 <= first < last <= {self.n_layers}, got {first}..{last}")
         if len(keys) != last - first or len(values) != last - first:
             raise ValueError(f"expected K/V of {last - first} layers, got {len(keys)} and {len(values)}")
-        x = residual.to(self.device, self.dtype)
-        pos = positions.to(self.device).view(1, -1)
-        t = keys[0].shape[2]
-        dt = self.dtype
-        keys_out = [k.to(self.device, dt).clone() for k in keys]
-        values_out = [v.to(self.device, dt).clone() for v in values]
-        # values are written in place into what is returned; keys are rotated copies (pre-RoPE returned)
-        scatter = _ScatterCache({first + i: self.apply_rope(k) for i, k in enumerate(keys_out)},
-                                {first + i: v for i, v in enumerate(values_out)}, pos[0])
-        pe = self.model.model.rotary_emb(x, position_ids=pos)
-        kpos = torch.arange(t, device=self.device)
-        allowed = kpos.view(1, -1) <= pos.view(-1, 1)  # [S, T] causal by position
-        masks = {"full_attention": allowed}
-        window = getattr(self.config, "sliding_window", None)
-        if window:
-            masks["sliding_attention"] = allowed & (kpos.view(1, -1) > pos.view(-1, 1) - window)
-        neg = torch.finfo(dt).min
-        add = {kind: torch.zeros(m.shape, dtype=dt, device=self.device).masked_fill(~m, neg)[None, None]
-               for kind, m in masks.items()}
-        with self._capture(range(first, last), (), ()) as cap:
-            for i in range(first, last):
-                x = self.layers[i](x, attention_mask=add[self.layer_type(i)], position_ids=pos,
-                                   position_embeddings=pe, **{self._layer_cache_kw: scatter})
+        run = SparseLayers(self, positions, keys[0].shape[2])
+        x, keys_out, values_out = residual, [], []
         for i in range(first, last):
-            keys_out[i - first][:, :, pos[0]] = cap["k"][i].to(dt)
+            x, k, v = run.step(x, i, keys[i - first], values[i - first])
+            keys_out.append(k)
+            values_out.append(v)
         return x, keys_out, values_out
+
+    @contextlib.contextmanager
+    def _capture_keys(self, layer: int, cache: _ScatterCache) -> Iterator[None]:
+        """While ``layer`` runs, its pre-RoPE keys (after a per-head key norm, if any) go to ``cache``."""
+        attn = self.layers[layer].self_attn
+
+        def save(_mod, _inp, output):
+            cache.native_k = self._split_heads(output) if output.dim() == 3 else output.transpose(1, 2)
+
+        h = (attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj).register_forward_hook(save)
+        try:
+            yield
+        finally:
+            h.remove()
 
     def layer_type(self, layer: int) -> str:
         """``full_attention`` or ``sliding_attention`` (Mistral, Qwen2/3 and Gemma 2 may slide)."""

@@ -5,30 +5,37 @@ import pytest
 import torch
 
 from shared.artifacts import store
-from shared.codecs import CodecContext, make_method
+from shared.codecs import CodecContext, DecodeJob, make_method
+from shared.errors import InvalidPayload
 from tests.unit.test_codec_contract import IDS, _calibrate_tiny_joint, _transfer, _variant
 
 
-def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp_path):
-    """``block_tokens`` < 1: every block layer carries REUSE codes as well, the consumer recomputes
-    the selected positions once the block's last layer is in; selecting every position is the full
-    block, selecting few keeps the REUSE K/V elsewhere."""
+def _sparse_pair(tiny_pair, tmp_path, exit_kv=False):
     producer, consumer = tiny_pair
     *_, folder, _ = _calibrate_tiny_joint(tiny_pair, tmp_path, 20, block_layers=2, block_exit_kv="off")
     meta, pt = store.load(folder, "producer")
     _, ct = store.load(folder, "consumer")
-    p, c = _variant(meta, pt, ct, patch_blocks=[(1, 3)], patch_layers=[])
-    pctx, cctx = CodecContext(producer, p), CodecContext(consumer, c)
+    p, c = _variant(meta, pt, ct, patch_blocks=[(1, 3)], patch_layers=[], block_exit_kv=exit_kv)
+    return CodecContext(producer, p), CodecContext(consumer, c)
+
+
+def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp_path):
+    """``block_tokens`` < 1: every block layer carries REUSE codes as well, and the consumer runs each
+    block layer for the selected positions as its codes arrive; selecting every position is the full
+    block, selecting few keeps the REUSE K/V elsewhere. The producer chooses the positions and sends
+    the entry state of those only."""
+    pctx, cctx = _sparse_pair(tiny_pair, tmp_path)
     full, full_bytes, _ = _transfer("scd", pctx, cctx)
     n = len(IDS) - 1
     every, every_bytes, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 1 - 0.1 / n})
-    assert set(enc[1]) == {"r", "r_scale", "r_channel", "score", "zkv", "zkv_scale"}
+    assert set(enc[1]) == {"r", "r_scale", "r_channel", "pos", "zkv", "zkv_scale"}
     assert set(enc[2]) == {"zkv", "zkv_scale"}
     assert every_bytes > full_bytes
     for layer in (1, 2):
         torch.testing.assert_close(every.layers[layer].values, full.layers[layer].values, atol=1e-5, rtol=1e-5)
-    few, _, _ = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_fit": "none",
-                                                     "block_select": "attention"})
+    few, few_bytes, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_fit": "none",
+                                                               "block_select": "attention"})
+    assert set(enc[1]) == {"r", "r_scale", "r_channel", "zkv", "zkv_scale"} and enc[1]["r"].shape[0] == n
     reuse, _, _ = _transfer("scd", pctx, cctx, params={"patch_blocks": "none"})
     def same(x, y, layer):  # per position
         return (x.layers[layer].values - y.layers[layer].values).abs().amax(dim=(0, 1, 3)) < 1e-5
@@ -44,18 +51,83 @@ def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp
     fit, _, _ = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_select": "attention"})
     assert (same(fit, full, 1) == recomputed).all()
     assert not same(fit, reuse, 1)[~recomputed].any()
-    # by default the positions are the producer's choice: the top of the scores it sends
-    by_producer, _, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_fit": "none"})
-    chosen = same(by_producer, full, 1) & ~same(by_producer, reuse, 1)
-    score = enc[1]["score"].float()
+    # by default the positions are the producer's choice, the top of its scores; it sends their
+    # entry states only, with the positions
+    by_producer, producer_bytes, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_fit": "none"})
+    chosen = ~same(by_producer, reuse, 1)  # (its entry rows are quantized over the chosen rows only)
+    assert chosen.nonzero().flatten().tolist() == enc[1]["pos"].tolist()
+    torch.testing.assert_close(by_producer.layers[1].values[:, :, chosen], full.layers[1].values[:, :, chosen],
+                               atol=0.05, rtol=0.05)
+    assert enc[1]["r"].shape[0] == round(0.2 * n) and producer_bytes < few_bytes
+    enc_method = make_method("scd", pctx, {"block_tokens": 0.2})
+    state = pctx.model.prefill(IDS[:-1], hidden_layers=enc_method.hidden_layers())
+    score = enc_method._scores(state, (1, 3)).float()
     score[-16:] = float("inf")
-    assert chosen.nonzero().flatten().tolist() == torch.topk(score, round(0.2 * n)).indices.sort().values.tolist()
+    assert enc[1]["pos"].tolist() == torch.topk(score, round(0.2 * n)).indices.sort().values.tolist()
     with pytest.raises(Exception, match="block_tokens"):
         make_method("scd", cctx, {"block_tokens": 0})
     with pytest.raises(Exception, match="block_fit_lambda"):
         make_method("scd", cctx, {"block_tokens": 0.5, "block_fit_lambda": 0})
     with pytest.raises(Exception, match="block_fit"):
         make_method("scd", cctx, {"block_tokens": 0.5, "block_fit": "linear"})
+
+
+def test_sparse_block_exit_layer_takes_the_recomputed_positions_own_kv(tiny_pair, tmp_path):
+    """With the artifacts' exit layer, the layer after a token-sparse block still carries codes (the
+    others need them), but the recomputed positions take their native K/V from their block output
+    state: with every position selected, that is the full block's exit layer exactly."""
+    pctx, cctx = _sparse_pair(tiny_pair, tmp_path, exit_kv=True)
+    n = len(IDS) - 1
+    full, _, _ = _transfer("scd", pctx, cctx)
+    every, _, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 1 - 0.1 / n})
+    assert set(enc[3]) == {"zkv", "zkv_scale"}
+    torch.testing.assert_close(every.layers[3].keys, full.layers[3].keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(every.layers[3].values, full.layers[3].values, atol=1e-5, rtol=1e-5)
+    off, _, _ = _transfer("scd", *_sparse_pair(tiny_pair, tmp_path / "off"), params={"block_tokens": 1 - 0.1 / n})
+    assert not torch.allclose(off.layers[3].values, full.layers[3].values, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", ["unsorted", "repeated", "below", "beyond"])
+def test_sparse_block_refuses_bad_positions(tiny_pair, tmp_path, bad):
+    """The recomputed positions the producer sends must be increasing and inside the transferred
+    range: anything else is ``InvalidPayload``, not an index error or a silent misplacement."""
+    pctx, cctx = _sparse_pair(tiny_pair, tmp_path)
+    params = {"block_tokens": 0.2}
+    enc, dec = make_method("scd", pctx, params), make_method("scd", cctx, params)
+    start, n = 4, len(IDS) - 1
+    state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers(), residual_layers=enc.residual_layers())
+    own = cctx.model.prefill(IDS[:-1])
+    session = dec.start(DecodeJob(IDS, n, start, tuple(k[:, :, :start] for k in own.keys),
+                                  tuple(v[:, :, :start] for v in own.values)))
+    session.add_layer(0, enc.encode_layer(state, 0, start))
+    entry = enc.encode_layer(state, 1, start)
+    pos = entry["pos"].clone()
+    if bad == "unsorted":
+        pos[[0, 1]] = pos[[1, 0]]
+    elif bad == "repeated":
+        pos[1] = pos[0]
+    elif bad == "below":
+        pos[0] = start - 1
+    else:
+        pos[-1] = n
+    with pytest.raises(InvalidPayload, match="positions"):
+        session.add_layer(1, {**entry, "pos": pos})
+
+
+def test_heads_ridge_equals_the_per_head_fit_on_rows():
+    """The batched per-head fit on [H, T, D] is the row form's (``head_ridge``), head by head."""
+    from shared.codecs.scd import head_ridge, heads_ridge
+
+    g = torch.Generator().manual_seed(1)
+    t, heads, width = 120, 3, 8
+    rows = torch.randn(t, heads * width, generator=g)
+    target = torch.randn(30, heads * width, generator=g)
+    idx = torch.arange(0, t, 4)
+    by_rows = head_ridge(rows, idx, target, width, 0.5)
+    for h in range(heads):
+        one = heads_ridge(rows[:, h * width:(h + 1) * width].unsqueeze(0), idx,
+                          target[:, h * width:(h + 1) * width].unsqueeze(0), 0.5)[0]
+        torch.testing.assert_close(by_rows[:, h * width:(h + 1) * width], one)
 
 
 def test_head_ridge_recovers_a_per_head_affine_drift_from_a_sample():
