@@ -1,0 +1,130 @@
+"""SCD's token-sparse PATCH block (``block_tokens`` < 1), the consumer's side: each block layer runs
+for the chosen positions as soon as its codes arrive, over the other positions' REUSE K/V corrected
+by a ridge map per KV head fitted on this prompt's recomputed positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.codecs.selective_recompute import BlockSession
+from shared.errors import InvalidPayload
+
+
+class SparseBlock(BlockSession):
+    """The token-sparse block's part of ``SCDSession`` (whose method is ``SCD``)."""
+
+    _sparse: "_SparseState | None" = None
+
+    def sparse_layer(self, layer, tensors, block):
+        """One layer of a token-sparse block, run as soon as its codes arrive: the selected positions
+        are recomputed over the others' REUSE K/V (the native prefix's own K/V where the consumer
+        has them), which ``block_fit=heads`` first corrects per KV head by a ridge map fitted on
+        this prompt's recomputed positions (their REUSE K/V to their own, captured as the layer
+        runs). At the block's entry the positions and their residual-stream states arrive: the
+        producer chose them (``block_select=producer``: the top of its attention from the prompt's
+        last tokens, summed over the block's layers, and always the last 16), or with
+        ``block_select=attention`` the consumer chooses from its projections of the entry state."""
+        cfg, s = self.method, self.job.start
+        if layer == block[0]:
+            self._sparse = self.start_sparse(tensors, block)
+        sp = self._sparse
+        assert sp is not None
+        k, v = self.with_prefix(layer, *cfg._reuse(layer, tensors))
+        correct = self.corrector(sp.idx) if cfg.block_fit == "heads" and sp.fits else None
+        sp.x, k, v = sp.run.step(sp.x, layer, k, v, correct)
+        return k[:, :, s:], v[:, :, s:]
+
+    def start_sparse(self, tensors, block) -> "_SparseState":
+        from shared.model.hf_adapter import SparseLayers
+
+        a, b = block
+        m, cfg = self.model, self.method
+        n, s = self.job.n_tokens, self.job.start
+        n_keep = cfg.n_keep(n, s)
+        if cfg.sends_positions:
+            idx = tensors["pos"].to(m.device).long()
+            if not (bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= s and int(idx[-1]) < n):
+                raise InvalidPayload(f"{cfg.kind} block {a}-{b}: the recomputed positions must be increasing and "
+                                     f"within [{s}, {n})")
+            h = cfg._uncode(tensors, "r", m.hidden_size)
+            if cfg.entry_map:
+                h = cfg.map_entry(h, a, idx)
+            x = h
+        else:
+            h = self.entry_state(tensors, block)
+            self.check_entry(h, block)
+            h = h.to(m.device, m.dtype)
+            score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
+            score[n - min(16, n):] = float("inf")
+            score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
+            idx = torch.topk(score, n_keep).indices.sort().values
+            x = h[idx]
+        return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), n_keep < n - s)
+
+    def sparse_exit(self, layer, tensors):
+        """The layer after a token-sparse block: the recomputed positions' native K/V from their block
+        output state, the others' from their codes, corrected by the same per-prompt fit."""
+        sp, s = self._sparse, self.job.start
+        assert sp is not None
+        k, v = self.with_prefix(layer, *self.decode_outside(layer, tensors))
+        nk, nv = self.model.kv_from_residual(layer, sp.x)
+        if self.method.block_fit == "heads" and sp.fits:
+            k, v = self.corrector(sp.idx)(k, v, nk, nv)
+        k, v = k.clone(), v.clone()
+        k[:, :, sp.idx], v[:, :, sp.idx] = nk.to(k.dtype), nv.to(v.dtype)
+        self._sparse = None
+        return k[:, :, s:], v[:, :, s:]
+
+    def corrector(self, idx):
+        """K/V [1, H, T, D] with the rows after the native prefix mapped per KV head by the ridge fit
+        of the rows ``idx`` on the native K/V given for them ([1, H, S, D])."""
+        lam, start = self.method.block_fit_lambda, self.job.start
+
+        def correct(k, v, nk, nv):
+            out = []
+            for given, native in ((k, nk), (v, nv)):
+                fit = heads_ridge(given[0], idx, native[0], lam)
+                fit[:, :start] = given[0, :, :start]
+                out.append(fit.unsqueeze(0))
+            return out[0], out[1]
+
+        return correct
+
+
+@dataclass
+class _SparseState:
+    idx: torch.Tensor  # the recomputed positions [S], sorted
+    x: torch.Tensor  # their residual-stream states [1, S, d] at the next layer's input
+    run: Any  # SparseLayers
+    fits: bool  # some positions are not recomputed (their K/V get the per-prompt fit)
+
+
+def heads_ridge(given: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, lam: float) -> torch.Tensor:
+    """``given`` [H, T, D] mapped per head by the affine map fitted on ``given[:, idx]`` -> ``target``
+    [H, S, D]: the identity plus a ridge-regularized linear correction (penalty ``lam`` times the
+    mean of the centred Gram's diagonal), so that with few samples it stays near the rows as given.
+    The selected rows get ``target`` itself. Solved in float32 whatever the model's dtype; every head
+    in one batched solve."""
+    dtype, rows = given.dtype, given.float()
+    x, y = rows[:, idx], target.float()
+    mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)
+    xc = x - mx
+    g = xc.transpose(1, 2) @ xc  # [H, D, D]
+    ridge = lam * g.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)
+    g = g + ridge.view(-1, 1, 1) * torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+    w = torch.linalg.solve(g, xc.transpose(1, 2) @ (y - my - xc))
+    out = rows + (rows - mx) @ w + (my - mx)
+    out[:, idx] = y
+    return out.to(dtype)
+
+
+def head_ridge(rows: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, width: int, lam: float) -> torch.Tensor:
+    """``heads_ridge`` on token rows: ``rows`` [T, H*width] mapped per block of ``width`` columns (a
+    KV head) by the fit of ``rows[idx]`` -> ``target`` [len(idx), H*width]."""
+    t, s = rows.shape[0], target.shape[0]
+    heads = rows.view(t, -1, width).transpose(0, 1)
+    out = heads_ridge(heads, idx, target.view(s, -1, width).transpose(0, 1), lam)
+    return out.transpose(0, 1).reshape(t, -1)
