@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 CANDIDATES = ("raw", "quant:bits=8", "quant", "spectrum", "spectrum:budget=0.35", "ridge", "ridge:budget=0.5",
               "ridge:budget=0.4", "ridge:budget=0.3", "ridge:budget=0.48;fp16_share=0",
               "ridge:budget=0.4;fp16_share=0", "ridge:k_bits=8;v_bits=8", "ridge:k_bits=8;v_bits=6",
-              "ridge:k_bits=8;v_bits=4", "ridge:k_bits=6;v_bits=6", "droidspeak", "scd-reuse", "scd")
+              "ridge:k_bits=8;v_bits=4", "ridge:k_bits=6;v_bits=6", "droidspeak", "scd-reuse", "scd",
+              "scd:block_tokens=0.5", "scd:block_tokens=0.35")
 """Methods and settings scored; those the pair lacks artifacts or a profile for are skipped."""
 
 
@@ -35,6 +36,9 @@ def operating_table(producer: ModelAdapter, consumer: ModelAdapter, fmt: PromptF
     for label in candidates:
         kind, params = parse_variant(label)
         try:
+            if "block_tokens" in params and not getattr(make_method(kind, pctx, params), "blocks", None):
+                skipped[label] = "the pair's artifacts have no PATCH block to recompute sparsely"
+                continue
             runners[label] = codec_method(kind, pctx, cctx, params)
             pins[label] = runners[label].pin()
         except SCDError as e:
