@@ -150,7 +150,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
         n_layers = ctx.model.n_layers
         self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
-        sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer is REUSE
+        sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer carries codes
         self.block_select = getattr(cfg, "block_select", "attention")
         self.sends_positions = sparse and self.block_select == "producer"
         self.block_fit = getattr(cfg, "block_fit", "none")

@@ -155,3 +155,26 @@ def test_head_ridge_recovers_a_per_head_affine_drift_from_a_sample():
     mixed = rows @ (torch.eye(heads * width) + 0.3 * torch.randn(heads * width, heads * width, generator=g))
     assert err(head_ridge(rows, idx, mixed[idx], width, 1e-4), mixed) > 0.3
     assert head_ridge(rows.half(), idx, native[idx].half(), width, 1.0).dtype == torch.float16
+
+
+def test_auto_scores_the_sparse_block_only_where_there_is_a_block(tiny_pair, tmp_path):
+    """The operating table measures ``scd:block_tokens=...`` beside ``scd`` when the artifacts have a
+    PATCH block, and skips it, saying why, when they have none (it would be ``scd`` again)."""
+    from shared.model.prompt import PromptFormat
+    from shared.model.tiny import tiny_tokenizer
+    from tools.calibration.auto import operating_table
+    from tools.data import Item
+
+    producer, consumer = tiny_pair
+    val = [Item(id=f"v{i}", kind="qa", prefix_len=0, prompt_ids=IDS[i:i + 120]) for i in range(2)]
+    with_block = _sparse_pair(tiny_pair, tmp_path)
+    meta = with_block[0].artifacts.meta
+    p, c = _variant(meta, with_block[0].artifacts.tensors, with_block[1].artifacts.tensors, patch_blocks=[])
+    without = CodecContext(producer, p), CodecContext(consumer, c)
+    fmt = PromptFormat(tiny_tokenizer())
+    cands = ("raw", "scd", "scd:block_tokens=0.35")
+    table = operating_table(producer, consumer, fmt, val, *with_block, candidates=cands, progress=False)
+    assert [x["label"] for x in table["points"]] == list(cands)
+    table = operating_table(producer, consumer, fmt, val, *without, candidates=cands, progress=False)
+    assert [x["label"] for x in table["points"]] == ["raw", "scd"]
+    assert "no PATCH block" in table["report"]["skipped"]["scd:block_tokens=0.35"]
