@@ -28,7 +28,7 @@ from shared.codecs.aligner import Aligner
 from shared.codecs.base import SKIP, MethodConfig, TransferMethod, parse_int_list, skip_tensors
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.codecs.selective_recompute import RecomputesBlocks
-from shared.codecs.sparse_block import SparseBlock, head_ridge, heads_ridge  # noqa: F401 (re-exported)
+from shared.codecs.sparse_block import SparseBlock
 from shared.domain import Schema, TensorSpec
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import from_rows, to_rows
@@ -244,12 +244,18 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         h = state.residual[block[0]][0].float()
         if not self.sends_positions:
             return self._code(h, "r")
-        n = state.n_tokens
-        score = self._scores(state, block).float()
-        score[n - min(16, n):] = float("inf")  # the prompt's last positions always
-        score[:start] = float("-inf")  # the native prefix's K/V are the consumer's own already
-        idx = torch.topk(score, self.n_keep(n, start)).indices.sort().values
+        idx = self.top_positions(self._scores(state, block), start)
         return {**self._code(h[idx], "r"), "pos": idx.to(torch.int32)}
+
+    def top_positions(self, score: torch.Tensor, start: int) -> torch.Tensor:
+        """The positions a token-sparse block recomputes, sorted: the prompt's last 16, then the
+        highest ``score`` [n_tokens], never the native prefix [0, start) (its K/V are the consumer's
+        own already); ``n_keep`` of them."""
+        n = score.shape[0]
+        score = score.float().clone()
+        score[n - min(16, n):] = float("inf")
+        score[:start] = float("-inf")
+        return torch.topk(score, self.n_keep(n, start)).indices.sort().values
 
     def _scores(self, state, block) -> torch.Tensor:
         """How much the prompt's last 32 tokens attend to each position [n_tokens], in the

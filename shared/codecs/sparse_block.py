@@ -43,26 +43,22 @@ class SparseBlock(BlockSession):
         a, b = block
         m, cfg = self.model, self.method
         n, s = self.job.n_tokens, self.job.start
-        n_keep = cfg.n_keep(n, s)
         if cfg.sends_positions:
             idx = tensors["pos"].to(m.device).long()
             if not (bool((idx[1:] > idx[:-1]).all()) and int(idx[0]) >= s and int(idx[-1]) < n):
                 raise InvalidPayload(f"{cfg.kind} block {a}-{b}: the recomputed positions must be increasing and "
                                      f"within [{s}, {n})")
-            h = cfg._uncode(tensors, "r", m.hidden_size)
+            x = cfg._uncode(tensors, "r", m.hidden_size)
             if cfg.entry_map:
-                h = cfg.map_entry(h, a, idx)
-            x = h
+                x = cfg.map_entry(x, a, idx)
         else:
             h = self.entry_state(tensors, block)
             self.check_entry(h, block)
             h = h.to(m.device, m.dtype)
-            score = m.attention_mass(a, h.unsqueeze(0), 32).clone()
-            score[n - min(16, n):] = float("inf")
-            score[:s] = float("-inf")  # the native prefix's K/V are the consumer's own already
-            idx = torch.topk(score, n_keep).indices.sort().values
+            idx = cfg.top_positions(m.attention_mass(a, h.unsqueeze(0), 32), s)
             x = h[idx]
-        return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), n_keep < n - s)
+        fits = len(idx) < n - s
+        return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), fits)
 
     def sparse_exit(self, layer, tensors):
         """The layer after a token-sparse block: the recomputed positions' native K/V from their block
@@ -72,9 +68,10 @@ class SparseBlock(BlockSession):
         k, v = self.with_prefix(layer, *self.decode_outside(layer, tensors))
         nk, nv = self.model.kv_from_residual(layer, sp.x)
         if self.method.block_fit == "heads" and sp.fits:
-            k, v = self.corrector(sp.idx)(k, v, nk, nv)
-        k, v = k.clone(), v.clone()
-        k[:, :, sp.idx], v[:, :, sp.idx] = nk.to(k.dtype), nv.to(v.dtype)
+            k, v = self.corrector(sp.idx)(k, v, nk, nv)  # new tensors, the recomputed rows already native
+        else:
+            k, v = k.clone(), v.clone()
+            k[:, :, sp.idx], v[:, :, sp.idx] = nk.to(k.dtype), nv.to(v.dtype)
         self._sparse = None
         return k[:, :, s:], v[:, :, s:]
 
@@ -120,11 +117,3 @@ def heads_ridge(given: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, la
     out[:, idx] = y
     return out.to(dtype)
 
-
-def head_ridge(rows: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, width: int, lam: float) -> torch.Tensor:
-    """``heads_ridge`` on token rows: ``rows`` [T, H*width] mapped per block of ``width`` columns (a
-    KV head) by the fit of ``rows[idx]`` -> ``target`` [len(idx), H*width]."""
-    t, s = rows.shape[0], target.shape[0]
-    heads = rows.view(t, -1, width).transpose(0, 1)
-    out = heads_ridge(heads, idx, target.view(s, -1, width).transpose(0, 1), lam)
-    return out.transpose(0, 1).reshape(t, -1)

@@ -104,9 +104,10 @@ class _ScatterCache:
         run, pos = self.run, self.run.positions
         k, v = self.keys, self.values
         assert k is not None and v is not None and self.native_k is not None
-        if self.correct is not None:
+        if self.correct is not None:  # new tensors
             k, v = self.correct(k, v, self.native_k, value_states)
-        k, v = k.clone(), v.clone()
+        else:
+            k, v = k.clone(), v.clone()
         k[:, :, pos] = self.native_k.to(k.dtype)
         v[:, :, pos] = value_states.to(v.dtype)
         self.keys, self.values = k, v  # pre-RoPE, what the layer run returns

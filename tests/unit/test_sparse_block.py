@@ -114,9 +114,18 @@ def test_sparse_block_refuses_bad_positions(tiny_pair, tmp_path, bad):
         session.add_layer(1, {**entry, "pos": pos})
 
 
+def head_ridge(rows: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, width: int, lam: float) -> torch.Tensor:
+    """``heads_ridge`` on token rows: ``rows`` [T, H*width], a KV head per block of ``width`` columns."""
+    from shared.codecs.sparse_block import heads_ridge
+
+    t, s = rows.shape[0], target.shape[0]
+    out = heads_ridge(rows.view(t, -1, width).transpose(0, 1), idx, target.view(s, -1, width).transpose(0, 1), lam)
+    return out.transpose(0, 1).reshape(t, -1)
+
+
 def test_heads_ridge_equals_the_per_head_fit_on_rows():
-    """The batched per-head fit on [H, T, D] is the row form's (``head_ridge``), head by head."""
-    from shared.codecs.scd import head_ridge, heads_ridge
+    """The batched per-head fit on [H, T, D] is the row form's, head by head: no head sees another."""
+    from shared.codecs.sparse_block import heads_ridge
 
     g = torch.Generator().manual_seed(1)
     t, heads, width = 120, 3, 8
@@ -134,8 +143,6 @@ def test_head_ridge_recovers_a_per_head_affine_drift_from_a_sample():
     """The sparse block's fit: when the native K/V are an affine map of the given ones per head,
     a sample of rows recovers it for the rest; a large penalty keeps the rows as given; the
     sample's rows become their targets; the result keeps the input's dtype."""
-    from shared.codecs.scd import head_ridge
-
     g = torch.Generator().manual_seed(0)
     t, heads, width = 400, 3, 8
     rows = torch.randn(t, heads * width, generator=g)
