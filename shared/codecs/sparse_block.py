@@ -38,7 +38,7 @@ class SparseBlock(BlockSession):
         return k[:, :, s:], v[:, :, s:]
 
     def start_sparse(self, tensors, block) -> "_SparseState":
-        from shared.model.hf_adapter import SparseLayers
+        from shared.model.sparse import SparseLayers
 
         a, b = block
         m, cfg = self.model, self.method

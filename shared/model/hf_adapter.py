@@ -1,4 +1,4 @@
-"""The one module that touches transformers internals.
+"""The one module that touches transformers internals (with its token-sparse layer runs, ``sparse.py``).
 
 Everything else in the project speaks in plain tensors:
 keys/values are per layer ``[B, H_kv, T, D]`` with keys **pre-RoPE** (the output of ``k_proj``,
@@ -19,7 +19,7 @@ import contextlib
 import copy
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -27,6 +27,9 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from shared.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shared.model.sparse import _ScatterCache
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"})
 # Families that transformers knows but this adapter refuses, and why (so the error says what to do).
@@ -87,82 +90,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class _ScatterCache:
-    """Stands in for a transformers ``Cache`` inside a token-sparse layer run (``SparseLayers``): a
-    layer's update takes the given pre-RoPE K/V of every position, lets ``correct`` adjust them from
-    the recomputed positions' native K/V (captured before RoPE), writes those native K/V at their
-    positions and returns the rotated keys and the values of every position."""
-
-    def __init__(self, run: "SparseLayers"):
-        self.run = run
-        self.keys: torch.Tensor | None = None  # the given K/V of the layer being run, pre-RoPE [1, H, T, D]
-        self.values: torch.Tensor | None = None
-        self.native_k: torch.Tensor | None = None  # the recomputed positions' own pre-RoPE keys [1, H, S, D]
-        self.correct = None
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        run, pos = self.run, self.run.positions
-        k, v = self.keys, self.values
-        assert k is not None and v is not None and self.native_k is not None
-        if self.correct is not None:  # new tensors
-            k, v = self.correct(k, v, self.native_k, value_states)
-        else:
-            k, v = k.clone(), v.clone()
-        k[:, :, pos] = self.native_k.to(k.dtype)
-        v[:, :, pos] = value_states.to(v.dtype)
-        self.keys, self.values = k, v  # pre-RoPE, what the layer run returns
-        rotated = k * run.cos + rotate_half(k) * run.sin
-        rotated[:, :, pos] = key_states.to(k.dtype)
-        return rotated, v
-
-
-class SparseLayers:
-    """Decoder layers run for some positions only (CacheBlend-style selective recompute), one layer
-    at a time, so that a consumer can run each layer as its codes arrive. ``positions`` [S] (sorted,
-    unique) are recomputed from their residual-stream states; every other position's pre-RoPE K/V
-    are given per layer. The recomputed positions attend to every position up to their own (the
-    given K/V elsewhere, their own new K/V). The masks, RoPE tables and position embeddings are
-    built once for the run."""
-
-    def __init__(self, adapter: "ModelAdapter", positions: torch.Tensor, n_tokens: int):
-        self.adapter = adapter
-        dev, dt = adapter.device, adapter.dtype
-        self.positions = positions.to(dev)
-        pos = self.positions.view(1, -1)
-        self._pos = pos
-        self.cos, self.sin = adapter.rope_tables(n_tokens)  # [1, 1, T, D]
-        self.pe = (self.cos[:, 0, self.positions], self.sin[:, 0, self.positions])
-        kpos = torch.arange(n_tokens, device=dev)
-        allowed = kpos.view(1, -1) <= pos.view(-1, 1)  # [S, T] causal by position
-        masks = {"full_attention": allowed}
-        window = getattr(adapter.config, "sliding_window", None)
-        if window:
-            masks["sliding_attention"] = allowed & (kpos.view(1, -1) > pos.view(-1, 1) - window)
-        neg = torch.finfo(dt).min
-        self.masks = {kind: torch.zeros(m.shape, dtype=dt, device=dev).masked_fill(~m, neg)[None, None]
-                      for kind, m in masks.items()}
-        self._cache = _ScatterCache(self)
-
-    @torch.inference_mode()
-    def step(self, x: torch.Tensor, layer: int, keys: torch.Tensor, values: torch.Tensor, correct=None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run ``layer`` for the recomputed positions: ``x`` [1, S, d] their residual-stream input,
-        ``keys``/``values`` [1, H, T, D] every position's given pre-RoPE K/V. ``correct(k, v,
-        native_k, native_v)``, if given, returns every position's K/V adjusted from the recomputed
-        positions' own (pre-RoPE, [1, H, S, D]) before they are attended to. Returns the positions'
-        residual output and the layer's K/V, the recomputed positions' replaced by their own."""
-        a = self.adapter
-        dev, dt = a.device, a.dtype
-        c = self._cache
-        c.keys, c.values, c.correct = keys.to(dev, dt), values.to(dev, dt), correct
-        with a._capture_keys(layer, c):
-            out = a.layers[layer](x.to(dev, dt), attention_mask=self.masks[a.layer_type(layer)],
-                                  position_ids=self._pos, position_embeddings=self.pe, **{a._layer_cache_kw: c})
-        k, v = c.keys, c.values
-        c.keys = c.values = c.native_k = c.correct = None
-        return out, k, v
-
-
 def kv_geometry(cfg) -> tuple[int, int, int, int, int]:
     """(layers, KV heads, head dim, hidden size, KV width = heads x head dim) of an HF config."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -182,6 +109,10 @@ class ModelAdapter:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         layer_params = inspect.signature(type(model.model.layers[0]).forward).parameters
         self._layer_cache_kw = "cache" if "cache" in layer_params else "past_key_values"
+        if getattr(cfg, "_attn_implementation", None) == "sdpa":  # the same attention, sparse runs in chunks
+            from shared.model.sparse import CHUNKED_SDPA  # (registered on import)
+
+            model.set_attn_implementation(CHUNKED_SDPA)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -406,6 +337,8 @@ class ModelAdapter:
             raise ValueError(f"layer range must satisfy 0 <= first < last <= {self.n_layers}, got {first}..{last}")
         if len(keys) != last - first or len(values) != last - first:
             raise ValueError(f"expected K/V of {last - first} layers, got {len(keys)} and {len(values)}")
+        from shared.model.sparse import SparseLayers
+
         run = SparseLayers(self, positions, keys[0].shape[2])
         x, keys_out, values_out = residual, [], []
         for i in range(first, last):
@@ -415,7 +348,7 @@ class ModelAdapter:
         return x, keys_out, values_out
 
     @contextlib.contextmanager
-    def _capture_keys(self, layer: int, cache: _ScatterCache) -> Iterator[None]:
+    def _capture_keys(self, layer: int, cache: "_ScatterCache") -> Iterator[None]:
         """While ``layer`` runs, its pre-RoPE keys (after a per-head key norm, if any) go to ``cache``."""
         attn = self.layers[layer].self_attn
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from shared.model.hf_adapter import ModelAdapter, UnsupportedModel, clone_cache
+from shared.model.sparse import CHUNKED_SDPA, SparseLayers
 from shared.model.tiny import FAMILIES, perturbed, tiny_model
 
 IDS = torch.randint(0, 256, (1, 37), generator=torch.Generator().manual_seed(3))
@@ -81,6 +82,33 @@ def test_sparse_run_recomputes_its_positions_exactly(adapter):
     others = torch.ones(IDS.shape[1], dtype=torch.bool)
     others[sel] = False
     assert torch.equal(keys[0][:, :, others], junk_k[0][:, :, others])  # the given K/V kept as given
+
+
+def test_sparse_run_attends_in_query_chunks_exactly(adapter, monkeypatch):
+    """With the adapter's attention (transformers' sdpa, which it sets on a model that uses sdpa), a
+    sparse run attends in chunks of its positions, each chunk over the keys up to its last position
+    only, and still gives the prefill's own states."""
+    monkeypatch.setattr(SparseLayers, "min_chunk_positions", 2)
+    n = adapter.n_layers
+    state = adapter.prefill(IDS, residual_layers=[1, n - 1])
+    sel = torch.tensor([0, 3, 4, 9, 17, 18, 25, 30, 33, 36])
+    assert [c[:3] for c in SparseLayers(adapter, sel, IDS.shape[1]).chunks["full_attention"]] == [
+        (0, 2, 4), (2, 5, 18), (5, 7, 26), (7, 10, 37)]
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    ks, vs = list(state.keys[1:n - 1]), list(state.values[1:n - 1])
+    out, _, _ = adapter.run_layers_sparse(state.residual[1][:, sel], sel, ks, vs, 1, n - 1)
+    torch.testing.assert_close(out, state.residual[n - 1][:, sel], atol=1e-5, rtol=1e-5)
+    if adapter.config._attn_implementation == CHUNKED_SDPA:
+        assert calls == [(2, 4), (3, 18), (2, 26), (3, 37)] * (n - 2)
+    else:  # eager attention (gemma2's soft-capping): one call over every key, no chunks
+        assert adapter.config._attn_implementation == "eager" and calls == []
 
 
 def test_attention_mass_is_what_the_tail_attends_to(adapter):
