@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from shared.model.hf_adapter import rotate_half
@@ -33,9 +33,8 @@ def _sdpa_by_query_chunks(module, query, key, value, attention_mask, dropout=0.0
     if scd_query_chunks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # grouped-query attention: each KV head serves `groups` query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    groups = getattr(module, "num_key_value_groups", 1)  # grouped-query attention: sdpa's own head layout
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, :n], value[:, :, :n], attn_mask=mask,
                                                     dropout_p=dropout, scale=scaling)
                      for a, b, n, mask in scd_query_chunks], dim=2)
