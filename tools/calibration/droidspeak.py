@@ -14,7 +14,7 @@ from tools.calibration.scoring import Scorer, droidspeak_sides
 from tools.calibration.spill import KVMemo, SpillDir
 
 
-def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple[list[int], int]],
+def profile(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple],
             budget_layers: int = 12, block_len: int = 12, n_val: int = 24, progress: bool = True,
             stop_ids=()) -> dict:
     """The blocks, greedily: each step adds the candidate block (of ``block_len`` layers, within the

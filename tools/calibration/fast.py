@@ -47,11 +47,12 @@ from tools.calibration.traces import Traces
 log = logging.getLogger(__name__)
 
 
-def producer_cache(producer: ModelAdapter, cal_prompts: list[list[int]], val_prompts: list[tuple[list[int], int]],
+def producer_cache(producer: ModelAdapter, cal_prompts: list[list[int]], val_prompts: list[tuple],
                    cfg: CalibrationSettings, root=None) -> ProducerCache:
     """The producer cache the fast search of these prompts and settings uses (built or not)."""
     prompts = [p[: cfg.max_prompt_tokens] for p in cal_prompts[: cfg.fast_prompts]]
-    return ProducerCache.for_prompts(producer, prompts, [(list(i), s) for i, s in val_prompts[: cfg.fast_val]], root)
+    val = [(list(v[0]), v[1], *map(list, v[2:])) for v in val_prompts[: cfg.fast_val]]
+    return ProducerCache.for_prompts(producer, prompts, val, root)
 
 
 def consumer_traces(cache: ProducerCache, consumer: ModelAdapter, progress: bool = True) -> Traces:
@@ -118,7 +119,7 @@ def _fallback(run: _Run, report: dict, key: str, order: list[tuple[int, float]],
 
 
 def calibrate_fast(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
-                   val_prompts: list[tuple[list[int], int]], cfg: CalibrationSettings, out: str,
+                   val_prompts: list[tuple], cfg: CalibrationSettings, out: str,
                    data_hash: str = "", progress: bool = True, stop_ids: Sequence[int] = (),
                    val_kinds: Sequence[str] = (), cache_root=None) -> tuple[str, dict]:
     """The fast search; builds the producer cache first when it is missing (timed as its own stage)."""

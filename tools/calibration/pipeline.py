@@ -142,7 +142,7 @@ class _Run:
 
 
 def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
-              val_prompts: list[tuple[list[int], int]], cfg: CalibrationSettings, out: str,
+              val_prompts: list[tuple], cfg: CalibrationSettings, out: str,
               data_hash: str = "", progress: bool = True, stop_ids: Sequence[int] = (),
               val_kinds: Sequence[str] = ()) -> tuple[str, dict]:
     """Fit and write the pair's artifacts into store ``out``; returns (folder, report). ``val_kinds``:
@@ -282,7 +282,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     rss.close()
     spill_dir.cleanup()
     n_params = sum(p.numel() for p in producer.model.parameters())
-    longest = max(max(len(p) for p in prompts), max(len(ids) for ids, _ in val_prompts[: cfg.n_val]))
+    longest = max(max(len(p) for p in prompts), max(len(v[0]) for v in val_prompts[: cfg.n_val]))
     report["memory_model_mb"] = estimate(n_params, L, m, producer.hidden_size, producer.config.vocab_size, longest,
                                          len(vps), cfg.val_tokens, cfg.aligner_rows)
     report["selected_kl"] = sel_kl
@@ -372,6 +372,8 @@ def _fallback(run: _Run, report: dict, key: str, progress: bool, **kw) -> tuple[
         kl = run.kl(fallback=chosen, **kw)
         kk = by_kind()
         bound_path.append({"layer": l, "for": worst, "layers": chosen, "kl": kl, "by_kind": kk})
+        log.info("%s: layer %d falls back for the %s bound (%d layers): %s", key, l, worst, len(chosen),
+                 ", ".join(f"{k} {kk[k] / limit[k]:.2f}x its bound" for k in limit))
     met = _worst(kk, limit) <= 1
     if not met:  # out of reach: the set along the way that came closest on its worst kind
         chosen, kl, kk = bound_pick(best, bound_path, limit)

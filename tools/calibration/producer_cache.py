@@ -50,10 +50,10 @@ class ProducerCache:
     path: Path
     producer: ModelAdapter
     prompts: list[list[int]]  # calibration prompts, as traced (the last token is not a context token)
-    val: list[tuple[list[int], int]]  # validation prompts (ids, native prefix length)
+    val: list[tuple]  # validation prompts (ids, native prefix length[, held-out continuation])
 
     @classmethod
-    def for_prompts(cls, producer: ModelAdapter, prompts: list[list[int]], val: list[tuple[list[int], int]],
+    def for_prompts(cls, producer: ModelAdapter, prompts: list[list[int]], val: list[tuple],
                     root: Path | None = None) -> "ProducerCache":
         fp = weights_fingerprint(producer.model)
         key = hashlib.sha256(json.dumps({"format": FORMAT, "producer": fp, "dtype": str(producer.dtype),
@@ -82,7 +82,7 @@ class ProducerCache:
             release_memory()
         save_file({**{f"sum.{l}": m.sum for l, m in enumerate(h)}, **{f"gram.{l}": m.gram for l, m in enumerate(h)},
                    "n": torch.tensor([h[0].n], dtype=torch.int64)}, tmp / "hidden-moments.safetensors")
-        for i, (ids, _) in enumerate(tqdm(self.val, desc="producer cache: validation", disable=not progress)):
+        for i, (ids, *_) in enumerate(tqdm(self.val, desc="producer cache: validation", disable=not progress)):
             state = p.prefill(ids[:-1], hidden_layers=layers, residual_layers=layers)
             SpilledState(state, tmp / f"val-{i:05d}.safetensors", p.device)
             del state

@@ -101,7 +101,7 @@ def fit(moms: list[PairMoments], n_layers: int, head_dim: int, top_k: int, alpha
     return tensors, ranking, r2s
 
 
-def calibrate(producer, consumer, prompts: list[list[int]], val_prompts: list[tuple[list[int], int]],
+def calibrate(producer, consumer, prompts: list[list[int]], val_prompts: list[tuple],
               top_ks=(1, 2, 3), alphas=(1e-3, 1e-2, 1e-1), n_val: int = 8, progress: bool = True, stop_ids=()):
     """(tensors, payload) for the pair: the best (top_k, alpha) on validation KL, with the grid."""
     t0 = time.perf_counter()

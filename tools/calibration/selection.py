@@ -31,17 +31,21 @@ class ValPrompt:
     oracle_lp: torch.Tensor  # [N, V]
 
 
-def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tuple[list[int], int]],
+def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: Sequence[tuple],
                 n_new: int = 16, progress: bool = True, stop_ids: Sequence[int] = (),
                 spill_to: SpillDir | None = None, states: Sequence | None = None) -> list[ValPrompt]:
-    """Held-out prompts scored like ``scd eval`` scores the test split: the Oracle's greedy
-    continuation of up to ``n_new`` tokens, ending at a stop id (the answer), is the teacher-forced
-    target. With ``spill_to`` each producer state is written there and read back per tensor (see
+    """Held-out prompts scored like ``scd eval`` scores the test split. Each prompt is (ids, fixed-prefix
+    length) or (ids, fixed-prefix length, held-out continuation): a prompt with a continuation (LM
+    text) is scored on its first ``n_new`` tokens, teacher-forced; any other on the Oracle's greedy
+    continuation of up to ``n_new`` tokens, ending at a stop id (the answer). The two differ in sign
+    for REUSE codes on plain text (the Oracle's own greedy text flatters a code that real text does
+    not), so LM text is never scored on the greedy continuation when it has its own. With ``spill_to``
+    each producer state is written there and read back per tensor (see
     ``tools.calibration.spill``), so the set's memory does not grow with its tokens x layers.
     ``states``: the producer's prefill state of each prompt, computed earlier (the producer cache)."""
     out = []
     layers = list(range(producer.n_layers))
-    for i, (ids, start) in enumerate(tqdm(prompts, desc="validation set", disable=not progress)):
+    for i, (ids, start, *given) in enumerate(tqdm(prompts, desc="validation set", disable=not progress)):
         ctx = ids[:-1]
         if states is not None:
             sp = states[i]
@@ -51,7 +55,10 @@ def prepare_val(producer: ModelAdapter, consumer: ModelAdapter, prompts: list[tu
             sp = spill(sp, spill_to, i, producer.device)
         sc = consumer.prefill(ctx)
         cache = consumer.build_cache(sc.keys, sc.values)
-        target = consumer.greedy(clone_cache(cache, consumer.config), ids[-1], n_new, stop_ids)
+        if given and len(given[0]):
+            target = [int(t) for t in given[0][:n_new]]
+        else:
+            target = consumer.greedy(clone_cache(cache, consumer.config), ids[-1], n_new, stop_ids)
         lp = consumer.score(cache, ids[-1], target)[: len(target)]
         out.append(ValPrompt(ids, start, sp, [(k[:, :, :start].clone(), v[:, :, :start].clone())
                                               for k, v in zip(sc.keys, sc.values)], target, lp))

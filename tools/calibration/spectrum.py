@@ -15,7 +15,7 @@ from tools.calibration.scoring import Scorer
 from tools.eval.metrics import kl_top1
 
 
-def probe(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple[list[int], int]],
+def probe(producer: ModelAdapter, consumer: ModelAdapter, val_prompts: list[tuple],
           budget: float = 0.3, trials: int = 3, min_top1: float = 0.9, n_new: int = 32,
           progress: bool = True) -> dict:
     """int4 allowed when the served three-tier spectrum transfer agrees with the served fp16 raw

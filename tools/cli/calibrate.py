@@ -20,7 +20,7 @@ from tools.cli.common import (
     validation_items,
 )
 
-METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "refine")
+METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "refine", "fallback")
 
 
 @app.command()
@@ -32,9 +32,11 @@ def calibrate(
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_kv=192 (repeatable)."),
     method: str = typer.Option("scd", help="scd (REUSE + PATCH artifacts), droidspeak (recompute blocks), ridge "
                                           "(cross-model maps), spectrum (int4 probe), auto (the operating table "
-                                          "of every method the pair has: run it last) or refine (scd's newest "
+                                          "of every method the pair has: run it last), refine (scd's newest "
                                           "stages, the block's entry map and the code form, on the pair's "
-                                          "existing artifacts: minutes)."),
+                                          "existing artifacts: minutes) or fallback (the layers where scd and "
+                                          "scd-reuse send the producer's own K/V, selected again on the existing "
+                                          "artifacts; --set modes=scd-reuse for one mode)."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
@@ -58,7 +60,7 @@ def calibrate(
     stop = pm.fmt.stop_ids
     n_val = (cfg.n_val if cfg else int(overrides.get("n_val", 24)))
     val_items = validation_items(pm, data_file, n_val)
-    val = [(it.prompt_ids, it.prefix_len) for it in val_items]
+    val = [(it.prompt_ids, it.prefix_len, list(it.continuation_ids)) for it in val_items]
     source = f"{data_file} (sha256 {_sha(data_file)[:12]})" if data_file else "built-in data"
     typer.echo(f"calibrating {method} for pair {pair!r} on {source}: {len(val)} validation prompts; store {out}",
                err=True)
@@ -94,6 +96,9 @@ def calibrate(
             return
         if method == "refine":
             _refine(pm, out, pair, val_items, calibration_prompts(pm, data_file), overrides)
+            return
+        if method == "fallback":
+            _refallback(pm, out, pair, val_items, overrides)
             return
         cal = calibration_prompts(pm, data_file)
         if method == "ridge":
@@ -223,7 +228,8 @@ def _refine(pm, out: Path, pair: str, val_items: list, cal: list, overrides: dic
     spill = SpillDir(cfg.spill_dir)
     rep: dict = {}
     try:
-        vps = sel.prepare_val(pm.producer, pm.consumer, [(it.prompt_ids, it.prefix_len) for it in val_items],
+        val = [(it.prompt_ids, it.prefix_len, list(it.continuation_ids)) for it in val_items]
+        vps = sel.prepare_val(pm.producer, pm.consumer, val,
                               n_new=cfg.val_tokens, stop_ids=pm.fmt.stop_ids, spill_to=spill)
         scorer = Scorer(pm.producer, pm.consumer, vps, [it.kind for it in val_items])
 
@@ -273,3 +279,35 @@ def _sha(path: Path) -> str:
     from tools.data.user import file_hash
 
     return file_hash(path)
+
+
+def _refallback(pm, out: Path, pair: str, val_items: list, overrides: dict) -> None:
+    """The fallback layers of scd and scd-reuse selected again on the pair's existing artifacts."""
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.calibration.refallback import MODES, reselect
+    from tools.calibration.settings import CalibrationSettings
+
+    allowed = {"n_val", "val_tokens", "fallback_gain", "fallback_bound", "spill_dir", "modes"}
+    if set(overrides) - allowed:
+        raise ValueError(f"unknown fallback settings {sorted(set(overrides) - allowed)}; fallback takes "
+                         f"{sorted(allowed)}")
+    modes = str(overrides.pop("modes", " ".join(MODES))).replace(",", " ").split()
+    cfg = CalibrationSettings(pair=pair, **overrides)
+    val = [(it.prompt_ids, it.prefix_len, list(it.continuation_ids)) for it in val_items]
+    folder, rep = reselect(pm.producer, pm.consumer, out / pair, out, val, [it.kind for it in val_items], cfg, modes,
+                           pm.fmt.stop_ids, weights_fingerprint(pm.producer.model),
+                           weights_fingerprint(pm.consumer.model))
+    raw = rep["raw_by_kind"]
+    for mode in modes:
+        key = MODES[mode]
+        was, now = rep[f"{key}_before"], rep[key]
+        per_kind = ", ".join(f"{k} {now['by_kind'][k]:.4f} ({now['by_kind'][k] / r:.2f}x raw; was "
+                             f"{was['by_kind'][k] / r:.2f}x)" for k, r in raw.items() if r)
+        typer.echo(f"{mode}: fallback layers {was['layers']} -> {now['layers']}; validation KL {was['kl']:.4f} -> "
+                   f"{now['kl']:.4f}; per kind {per_kind}"
+                   + ("" if now["bound_met"] else f" -- no set holds {cfg.fallback_bound}x raw on every kind: kept "
+                      "the closest"), err=not now["bound_met"])
+    typer.echo(f"written to {folder} ({rep['seconds']} s)")
+    typer.echo(json.dumps({"seconds": rep["seconds"], "raw_by_kind": raw,
+                           **{MODES[m]: {"layers": rep[MODES[m]]["layers"], "by_kind": rep[MODES[m]]["by_kind"],
+                                         "before": rep[f"{MODES[m]}_before"]} for m in modes}}))
