@@ -366,14 +366,14 @@ def _fallback(run: _Run, report: dict, key: str, progress: bool, **kw) -> tuple[
     limit = {k: cfg.fallback_bound * r for k, r in run.raw_by_kind.items()} if cfg.fallback_bound else {}
     bound_path = []
     while _worst(kk, limit) > 1 and (rest := [l for l in layers if l not in chosen]):
-        worst = max(limit, key=lambda k: kk[k] / limit[k])
+        worst = max(limit, key=lambda k: kk[k] / limit[k] if limit[k] else float("inf"))
         l = max(rest, key=lambda l: base[worst] - kinds[l][worst])
         chosen = sorted([*chosen, l])
         kl = run.kl(fallback=chosen, **kw)
         kk = by_kind()
         bound_path.append({"layer": l, "for": worst, "layers": chosen, "kl": kl, "by_kind": kk})
         log.info("%s: layer %d falls back for the %s bound (%d layers): %s", key, l, worst, len(chosen),
-                 ", ".join(f"{k} {kk[k] / limit[k]:.2f}x its bound" for k in limit))
+                 ", ".join(f"{k} {kk[k] / limit[k] if limit[k] else float('inf'):.2f}x its bound" for k in limit))
     met = _worst(kk, limit) <= 1
     if not met:  # out of reach: the set along the way that came closest on its worst kind
         chosen, kl, kk = bound_pick(best, bound_path, limit)
