@@ -20,12 +20,12 @@ def test_validation_scores_a_given_continuation_not_the_oracles_greedy_one(tiny_
     cont = torch.randint(0, 256, (12,), generator=g).tolist()
     given, greedy = sel.prepare_val(producer, consumer, [(ids, 0, cont), (ids, 0)], n_new=8, progress=False)
     assert given.target == cont[:8] and given.oracle_lp.shape[0] == 8
-    cache = consumer.build_cache(*(lambda s: (s.keys, s.values))(consumer.prefill(ids[:-1])))
-    assert greedy.target == consumer.greedy(cache, ids[-1], 8)
+    state = consumer.prefill(ids[:-1])
+    assert greedy.target == consumer.greedy(consumer.build_cache(state.keys, state.values), ids[-1], 8)
     assert given.target != greedy.target  # random text is not what the model would say next
     # the log-probs are the Oracle's on that continuation
-    cache = consumer.build_cache(*(lambda s: (s.keys, s.values))(consumer.prefill(ids[:-1])))
-    assert torch.allclose(given.oracle_lp, consumer.score(cache, ids[-1], cont[:8])[:8], atol=1e-5)
+    lp = consumer.score(consumer.build_cache(state.keys, state.values), ids[-1], cont[:8])[:8]
+    assert torch.allclose(given.oracle_lp, lp, atol=1e-5)
     # an empty continuation is no continuation
     empty, = sel.prepare_val(producer, consumer, [(ids, 0, [])], n_new=8, progress=False)
     assert empty.target == greedy.target

@@ -366,14 +366,14 @@ def _fallback(run: _Run, report: dict, key: str, progress: bool, **kw) -> tuple[
     limit = {k: cfg.fallback_bound * r for k, r in run.raw_by_kind.items()} if cfg.fallback_bound else {}
     bound_path = []
     while _worst(kk, limit) > 1 and (rest := [l for l in layers if l not in chosen]):
-        worst = max(limit, key=lambda k: kk[k] / limit[k] if limit[k] else float("inf"))
+        worst = max(limit, key=lambda k: _share(kk, limit, k))
         l = max(rest, key=lambda l: base[worst] - kinds[l][worst])
         chosen = sorted([*chosen, l])
         kl = run.kl(fallback=chosen, **kw)
         kk = by_kind()
         bound_path.append({"layer": l, "for": worst, "layers": chosen, "kl": kl, "by_kind": kk})
         log.info("%s: layer %d falls back for the %s bound (%d layers): %s", key, l, worst, len(chosen),
-                 ", ".join(f"{k} {kk[k] / limit[k] if limit[k] else float('inf'):.2f}x its bound" for k in limit))
+                 ", ".join(f"{k} {_share(kk, limit, k):.2f}x its bound" for k in limit))
     met = _worst(kk, limit) <= 1
     if not met:  # out of reach: the set along the way that came closest on its worst kind
         chosen, kl, kk = bound_pick(best, bound_path, limit)
@@ -386,9 +386,14 @@ def _fallback(run: _Run, report: dict, key: str, progress: bool, **kw) -> tuple[
     return chosen, kl
 
 
+def _share(by_kind: dict[str, float], limit: dict[str, float], kind: str) -> float:
+    """A kind's KL as a share of its limit (infinite for a limit of 0: raw itself is exact there)."""
+    return by_kind[kind] / limit[kind] if limit[kind] else float("inf")
+
+
 def _worst(by_kind: dict[str, float], limit: dict[str, float]) -> float:
     """The largest ratio of a kind's KL to its limit (0 without limits)."""
-    return max((by_kind[k] / limit[k] if limit[k] else float("inf") for k in limit), default=0.0)
+    return max((_share(by_kind, limit, k) for k in limit), default=0.0)
 
 
 def bound_pick(best: tuple, bound_path: list[dict], limit: dict[str, float]) -> tuple[list[int], float, dict]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -69,10 +70,8 @@ def reselect(producer: ModelAdapter, consumer: ModelAdapter, folder: Path, out: 
     _, cons = store.load(folder, "consumer", producer_fingerprint, consumer_fingerprint)
     t0 = time.perf_counter()
     spill = SpillDir(cfg.spill_dir)
-    rep: dict = {"n_val": len(val), "val_tokens": cfg.val_tokens, "kinds": dict.fromkeys(kinds, 0),
+    rep: dict = {"n_val": len(val), "val_tokens": cfg.val_tokens, "kinds": dict(Counter(kinds)),
                  "scoring": "LM text on its held-out continuation, other text on the Oracle's greedy answer"}
-    for k in kinds:
-        rep["kinds"][k] += 1
     try:
         vps = sel.prepare_val(producer, consumer, val, n_new=cfg.val_tokens, progress=progress,
                               stop_ids=stop_ids, spill_to=spill)

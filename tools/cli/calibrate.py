@@ -95,10 +95,10 @@ def calibrate(
             _auto(pm, out, pair, val_items, overrides, save_profile)
             return
         if method == "refine":
-            _refine(pm, out, pair, val_items, calibration_prompts(pm, data_file), overrides)
+            _refine(pm, out, pair, val_items, val, calibration_prompts(pm, data_file), overrides)
             return
         if method == "fallback":
-            _refallback(pm, out, pair, val_items, overrides)
+            _refallback(pm, out, pair, val_items, val, overrides)
             return
         cal = calibration_prompts(pm, data_file)
         if method == "ridge":
@@ -200,7 +200,7 @@ def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profi
                            "seconds": table["report"]["seconds"]}))
 
 
-def _refine(pm, out: Path, pair: str, val_items: list, cal: list, overrides: dict) -> None:
+def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, overrides: dict) -> None:
     """scd calibration's newest stages on the pair's existing artifacts, written back into the store:
     per-channel scales (``code_channel``), the PATCH block's entry map (``entry_map``, kept when
     validation KL falls) and the code levels (``bytes_target``), each scored by the served method."""
@@ -228,9 +228,8 @@ def _refine(pm, out: Path, pair: str, val_items: list, cal: list, overrides: dic
     spill = SpillDir(cfg.spill_dir)
     rep: dict = {}
     try:
-        val = [(it.prompt_ids, it.prefix_len, list(it.continuation_ids)) for it in val_items]
-        vps = sel.prepare_val(pm.producer, pm.consumer, val,
-                              n_new=cfg.val_tokens, stop_ids=pm.fmt.stop_ids, spill_to=spill)
+        vps = sel.prepare_val(pm.producer, pm.consumer, val, n_new=cfg.val_tokens, stop_ids=pm.fmt.stop_ids,
+                              spill_to=spill)
         scorer = Scorer(pm.producer, pm.consumer, vps, [it.kind for it in val_items])
 
         def kl(m, c) -> float:
@@ -281,7 +280,7 @@ def _sha(path: Path) -> str:
     return file_hash(path)
 
 
-def _refallback(pm, out: Path, pair: str, val_items: list, overrides: dict) -> None:
+def _refallback(pm, out: Path, pair: str, val_items: list, val: list, overrides: dict) -> None:
     """The fallback layers of scd and scd-reuse selected again on the pair's existing artifacts."""
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration.refallback import MODES, reselect
@@ -293,7 +292,6 @@ def _refallback(pm, out: Path, pair: str, val_items: list, overrides: dict) -> N
                          f"{sorted(allowed)}")
     modes = str(overrides.pop("modes", " ".join(MODES))).replace(",", " ").split()
     cfg = CalibrationSettings(pair=pair, **overrides)
-    val = [(it.prompt_ids, it.prefix_len, list(it.continuation_ids)) for it in val_items]
     folder, rep = reselect(pm.producer, pm.consumer, out / pair, out, val, [it.kind for it in val_items], cfg, modes,
                            pm.fmt.stop_ids, weights_fingerprint(pm.producer.model),
                            weights_fingerprint(pm.consumer.model))
