@@ -149,6 +149,15 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
                           str(f / "prompts.jsonl"), "--method", "refine", "--set", "r_kv=8"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "unknown refine settings ['r_kv']" in bad.stderr
+    # scd-reuse's fallback layers selected again on the same artifacts; scd's left as they are
+    fb = json.loads(scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method",
+                        "fallback", "-q", "--set", "n_val=4", "--set", "val_tokens=8", "--set", "modes=scd-reuse",
+                        env=env).stdout.strip().splitlines()[-1])
+    assert set(fb) == {"seconds", "raw_by_kind", "reuse_fallback"} and isinstance(fb["reuse_fallback"]["layers"], list)
+    bad = subprocess.run([str(VENV_BIN / "scd"), "calibrate", "--pair", "tiny-lora", "--data",
+                          str(f / "prompts.jsonl"), "--method", "fallback", "--set", "modes=scd-typo"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "fallback modes must be some of" in bad.stderr
     for kind, extra in (("droidspeak", ["--set", "budget_layers=2", "--set", "block_len=2", "--set", "n_val=4"]),
                         ("spectrum", ["--set", "trials=2"]), ("ridge", ["--set", "top_ks=[1]", "--set", "n_val=4"])):
         scd("calibrate", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--method", kind, "-q", *extra,
