@@ -120,6 +120,15 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         block_fit_lambda: float = Field(1.0, gt=0)
         """The fit's ridge penalty, relative to the mean variance of the codes' K/V; larger keeps the
         correction nearer the identity."""
+        block_fit_span: float = Field(0.25, ge=0)
+        """With ``block_fit=heads``, each position not recomputed also takes what the fit still misses
+        at the recomputed positions next to it (its residual there, the native K/V minus the fitted),
+        weighted by exp(-distance / span) over up to two such positions on each side; 0: the fit only.
+        With the defaults a position next to a recomputed one takes all of its residual, two away
+        three quarters, three away 6%; chosen on validation (see docs/scd-speed.md, eleventh round)."""
+        block_fit_prior: float = Field(1e-4, gt=0)
+        """The weight of "no residual" beside the neighbours' (``block_fit_span``): a position whose nearest
+        recomputed ones are more than a few spans away takes almost none of their residual."""
         fallback: Literal["auto", "none"] = "auto"
         """``auto``: on the layers where calibration found the code worse than the producer's own
         K/V, send those (int8 per token); ``none``: the code on every REUSE layer."""
@@ -155,6 +164,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         self.sends_positions = sparse and self.block_select == "producer"
         self.block_fit = getattr(cfg, "block_fit", "none")
         self.block_fit_lambda = float(getattr(cfg, "block_fit_lambda", 1.0))
+        self.block_fit_span = float(getattr(cfg, "block_fit_span", 0.0))
+        self.block_fit_prior = float(getattr(cfg, "block_fit_prior", 1e-4))
         exits = frozenset(b for _, b in self.blocks if b < n_layers) if self.meta.block_exit_kv else frozenset()
         self.exit_layers = frozenset() if sparse else exits
         self.sparse_exit = exits if sparse else frozenset()

@@ -1,6 +1,7 @@
 """SCD's token-sparse PATCH block (``block_tokens`` < 1), the consumer's side: each block layer runs
 for the chosen positions as soon as its codes arrive, over the other positions' REUSE K/V corrected
-by a ridge map per KV head fitted on this prompt's recomputed positions."""
+by a ridge map per KV head fitted on this prompt's recomputed positions, plus what that map still
+misses at the recomputed positions next to them."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class SparseBlock(BlockSession):
         sp = self._sparse
         assert sp is not None
         k, v = self.with_prefix(layer, *cfg._reuse(layer, tensors))
-        correct = self.corrector(sp.idx) if cfg.block_fit == "heads" and sp.fits else None
+        correct = self.corrector(sp) if cfg.block_fit == "heads" and sp.fits else None
         sp.x, k, v = sp.run.step(sp.x, layer, k, v, correct)
         return k[:, :, s:], v[:, :, s:]
 
@@ -58,7 +59,9 @@ class SparseBlock(BlockSession):
             idx = cfg.top_positions(m.attention_mass(a, h.unsqueeze(0), 32), s)
             x = h[idx]
         fits = len(idx) < n - s
-        return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), fits)
+        local = fits and cfg.block_fit == "heads" and cfg.block_fit_span > 0
+        near = neighbours(idx, n, cfg.block_fit_span, cfg.block_fit_prior) if local else None
+        return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), fits, near)
 
     def sparse_exit(self, layer, tensors):
         """The layer after a token-sparse block: the recomputed positions' native K/V from their block
@@ -68,22 +71,23 @@ class SparseBlock(BlockSession):
         k, v = self.with_prefix(layer, *self.decode_outside(layer, tensors))
         nk, nv = self.model.kv_from_residual(layer, sp.x)
         if self.method.block_fit == "heads" and sp.fits:
-            k, v = self.corrector(sp.idx)(k, v, nk, nv)  # new tensors, the recomputed rows already native
+            k, v = self.corrector(sp)(k, v, nk, nv)  # new tensors, the recomputed rows already native
         else:
             k, v = k.clone(), v.clone()
             k[:, :, sp.idx], v[:, :, sp.idx] = nk.to(k.dtype), nv.to(v.dtype)
         self._sparse = None
         return k[:, :, s:], v[:, :, s:]
 
-    def corrector(self, idx):
+    def corrector(self, sp: "_SparseState"):
         """K/V [1, H, T, D] with the rows after the native prefix mapped per KV head by the ridge fit
-        of the rows ``idx`` on the native K/V given for them ([1, H, S, D])."""
-        lam, start = self.method.block_fit_lambda, self.job.start
+        of the recomputed rows ``sp.idx`` on the native K/V given for them ([1, H, S, D]), and (with
+        ``block_fit_span`` > 0) the fit's residuals at the recomputed rows added to their neighbours."""
+        lam, start, idx, near = self.method.block_fit_lambda, self.job.start, sp.idx, sp.near
 
         def correct(k, v, nk, nv):
             out = []
             for given, native in ((k, nk), (v, nv)):
-                fit = heads_ridge(given[0], idx, native[0], lam)
+                fit = heads_ridge(given[0], idx, native[0], lam, near)
                 fit[:, :start] = given[0, :, :start]
                 out.append(fit.unsqueeze(0))
             return out[0], out[1]
@@ -97,14 +101,38 @@ class _SparseState:
     x: torch.Tensor  # their residual-stream states [1, S, d] at the next layer's input
     run: Any  # SparseLayers
     fits: bool  # some positions are not recomputed (their K/V get the per-prompt fit)
+    near: torch.Tensor | None = None  # ``neighbours``: the weights with which each row takes the residuals
 
 
-def heads_ridge(given: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, lam: float) -> torch.Tensor:
+def neighbours(idx: torch.Tensor, n: int, span: float, prior: float, per_side: int = 2) -> torch.Tensor:
+    """The weights [n, len(idx)] (sparse, COO) with which each of ``n`` positions takes the residuals at
+    the recomputed positions ``idx`` (sorted): for the ``per_side`` nearest on each side,
+    exp(-distance / ``span``) over (their sum + ``prior``), weights below 1e-4 dropped. A position
+    next to recomputed ones takes nearly their mean residual; one farther than a few ``span`` from any
+    takes none, as the weights' sum falls below ``prior``. Computed once per prompt: the positions are
+    the same at every block layer."""
+    pos = torch.arange(n, device=idx.device)
+    right = torch.searchsorted(idx, pos)  # the first recomputed position at or after each position
+    cand = right.unsqueeze(1) + torch.arange(-per_side, per_side, device=idx.device)  # [n, 2 * per_side]
+    valid = (cand >= 0) & (cand < len(idx))
+    cand = cand.clamp(0, len(idx) - 1)
+    w = torch.exp(-(pos.unsqueeze(1) - idx[cand]).abs().float() / span) * valid
+    w = w / (w.sum(1, keepdim=True) + prior)
+    keep = w >= 1e-4
+    rows = pos.unsqueeze(1).expand_as(cand)[keep]
+    weights = torch.sparse_coo_tensor(torch.stack([rows, cand[keep]]), w[keep], (n, len(idx)), check_invariants=True)
+    return weights.coalesce()
+
+
+def heads_ridge(given: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, lam: float,
+                near: torch.Tensor | None = None) -> torch.Tensor:
     """``given`` [H, T, D] mapped per head by the affine map fitted on ``given[:, idx]`` -> ``target``
     [H, S, D]: the identity plus a ridge-regularized linear correction (penalty ``lam`` times the
     mean of the centred Gram's diagonal), so that with few samples it stays near the rows as given.
-    The selected rows get ``target`` itself. Solved in float32 whatever the model's dtype; every head
-    in one batched solve."""
+    With ``near`` (``neighbours``), each row also takes the weighted residuals of the map at the
+    selected rows near it (the drift the map misses is shared by neighbouring tokens). The selected
+    rows get ``target`` itself. Solved in float32 whatever the model's dtype; every head in one
+    batched solve."""
     dtype, rows = given.dtype, given.float()
     x, y = rows[:, idx], target.float()
     mx, my = x.mean(1, keepdim=True), y.mean(1, keepdim=True)
@@ -114,6 +142,10 @@ def heads_ridge(given: torch.Tensor, idx: torch.Tensor, target: torch.Tensor, la
     g = g + ridge.view(-1, 1, 1) * torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
     w = torch.linalg.solve(g, xc.transpose(1, 2) @ (y - my - xc))
     out = rows + (rows - mx) @ w + (my - mx)
+    if near is not None:
+        heads, width = y.shape[0], y.shape[2]
+        res = (y - out[:, idx]).transpose(0, 1).reshape(len(idx), heads * width)  # [S, H*D]
+        out = out + (near @ res).view(-1, heads, width).transpose(0, 1)
     out[:, idx] = y
     return out.to(dtype)
 

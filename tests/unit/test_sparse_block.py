@@ -70,6 +70,9 @@ def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp
         make_method("scd", cctx, {"block_tokens": 0.5, "block_fit_lambda": 0})
     with pytest.raises(Exception, match="block_fit"):
         make_method("scd", cctx, {"block_tokens": 0.5, "block_fit": "linear"})
+    for bad in ({"block_fit_span": -1}, {"block_fit_prior": 0}):
+        with pytest.raises(Exception, match=next(iter(bad))):
+            make_method("scd", cctx, {"block_tokens": 0.5, **bad})
 
 
 def test_sparse_block_exit_layer_takes_the_recomputed_positions_own_kv(tiny_pair, tmp_path):
@@ -162,6 +165,43 @@ def test_head_ridge_recovers_a_per_head_affine_drift_from_a_sample():
     mixed = rows @ (torch.eye(heads * width) + 0.3 * torch.randn(heads * width, heads * width, generator=g))
     assert err(head_ridge(rows, idx, mixed[idx], width, 1e-4), mixed) > 0.3
     assert head_ridge(rows.half(), idx, native[idx].half(), width, 1.0).dtype == torch.float16
+
+
+def test_neighbour_residuals_carry_a_local_drift_the_affine_fit_misses():
+    """``block_fit_span``: a drift shared by runs of neighbouring tokens (a different offset per run of
+    8, which no affine map of the rows can fit) is mostly recovered at the rows next to a selected one,
+    and left alone far from any; the weights are those of the nearest selected rows on each side."""
+    from shared.codecs.sparse_block import heads_ridge, neighbours
+
+    idx = torch.tensor([2, 5, 40])
+    w = neighbours(idx, 48, span=1.0, prior=0.05).to_dense()
+    assert w.shape == (48, 3)
+    assert float(w[3].sum()) > 0.9 and int(w[3].argmax()) == 0  # next to position 2
+    assert float(w[20].sum()) < 1e-4  # 15 positions from the nearest: almost no residual taken
+    # 40 reaches the positions within 12 of it on both sides: exp(-12) / 0.05 is the last weight over 1e-4
+    assert (w[:, 2] > 0).nonzero().flatten().tolist() == list(range(28, 48))
+    assert (neighbours(idx, 48, 1.0, 0.05, per_side=1).to_dense()[4] > 0).tolist() == [True, True, False]
+
+    g = torch.Generator().manual_seed(3)
+    heads, t, width = 2, 256, 8
+    rows = torch.randn(heads, t, width, generator=g)
+    runs = torch.randn(heads, t // 8, width, generator=g).repeat_interleave(8, dim=1)
+    native = rows + runs
+    idx = torch.arange(3, t, 8)  # one selected row per run
+    others = torch.ones(t, dtype=torch.bool)
+    others[idx] = False
+    def err(out):
+        return float((out[:, others] - native[:, others]).pow(2).mean() / runs[:, others].pow(2).mean())
+
+    affine = heads_ridge(rows, idx, native[:, idx], 1e-3)
+    local = heads_ridge(rows, idx, native[:, idx], 1e-3, neighbours(idx, t, 1.0, 0.05))
+    assert err(affine) > 0.8  # the runs' offsets are not an affine map of the rows
+    assert err(local) < 0.6 * err(affine)
+    assert torch.equal(local[:, idx], native[:, idx])
+    far = neighbours(torch.tensor([0, t - 1]), t, 1.0, 0.05)  # two selected rows at the ends
+    middle = heads_ridge(rows, torch.tensor([0, t - 1]), native[:, [0, t - 1]], 1e-3, far)[:, 100:150]
+    torch.testing.assert_close(middle, heads_ridge(rows, torch.tensor([0, t - 1]), native[:, [0, t - 1]],
+                                                   1e-3)[:, 100:150])
 
 
 def test_auto_scores_the_sparse_block_only_where_there_is_a_block(tiny_pair, tmp_path):
