@@ -34,7 +34,7 @@ class SparseBlock(BlockSession):
         sp = self._sparse
         assert sp is not None
         k, v = self.with_prefix(layer, *cfg._reuse(layer, tensors))
-        correct = self.corrector(sp) if cfg.block_fit == "heads" and sp.fits else None
+        correct = self.corrector(sp) if sp.fits else None
         sp.x, k, v = sp.run.step(sp.x, layer, k, v, correct)
         return k[:, :, s:], v[:, :, s:]
 
@@ -58,9 +58,8 @@ class SparseBlock(BlockSession):
             h = h.to(m.device, m.dtype)
             idx = cfg.top_positions(m.attention_mass(a, h.unsqueeze(0), 32), s)
             x = h[idx]
-        fits = len(idx) < n - s
-        local = fits and cfg.block_fit == "heads" and cfg.block_fit_span > 0
-        near = neighbours(idx, n, cfg.block_fit_span, cfg.block_fit_prior) if local else None
+        fits = cfg.block_fit == "heads" and len(idx) < n - s
+        near = neighbours(idx, n, cfg.block_fit_span, cfg.block_fit_prior) if fits and cfg.block_fit_span > 0 else None
         return _SparseState(idx, x.to(m.device, m.dtype).unsqueeze(0), SparseLayers(m, idx, n), fits, near)
 
     def sparse_exit(self, layer, tensors):
@@ -70,7 +69,7 @@ class SparseBlock(BlockSession):
         assert sp is not None
         k, v = self.with_prefix(layer, *self.decode_outside(layer, tensors))
         nk, nv = self.model.kv_from_residual(layer, sp.x)
-        if self.method.block_fit == "heads" and sp.fits:
+        if sp.fits:
             k, v = self.corrector(sp)(k, v, nk, nv)  # new tensors, the recomputed rows already native
         else:
             k, v = k.clone(), v.clone()
@@ -100,7 +99,7 @@ class _SparseState:
     idx: torch.Tensor  # the recomputed positions [S], sorted
     x: torch.Tensor  # their residual-stream states [1, S, d] at the next layer's input
     run: Any  # SparseLayers
-    fits: bool  # some positions are not recomputed (their K/V get the per-prompt fit)
+    fits: bool  # ``block_fit=heads`` and some positions are not recomputed: their K/V get the per-prompt fit
     near: torch.Tensor | None = None  # ``neighbours``: the weights with which each row takes the residuals
 
 
