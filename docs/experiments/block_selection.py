@@ -1,0 +1,136 @@
+# Research script (issue 16, twelfth round), kept so that docs/scd-speed.md's selection table can be rerun:
+#   SPLIT=validation .venv/bin/python docs/experiments/block_selection.py 48 0.25 sum,nosink,sum:p1,sum:q16
+#   SPLIT=test .venv/bin/python docs/experiments/block_selection.py 24 0.25 sum,csum,cqk,cqkm,sum@1
+# Variants (the producer's score of each position, from which `top_positions` takes the share):
+#   sum     the served rule: softmax attention of the last 32 tokens, summed over heads, queries, block layers
+#   max     the largest attention any head and query pays a position; hmax: per head summed over queries, max over heads
+#   nosink  each query's attention renormalized without its top position (the sink) before summing
+#   X:qN    the last N tokens as queries instead of 32; X:p1  the score half max-pooled over +-1 position
+#   csum    the consumer's OWN attention from its own prefill (knowledge no consumer has: the ceiling of selection)
+#   cqk     the consumer's norms and q/k projections applied to the producer's residual stream at each block layer
+#   cqkm    cqk, the entry layer's state first mapped by the calibrated entry map; cqk1: the entry layer only
+#   X+fb    the block layers (and the exit layer) send the producer's own int8 K/V for the positions left out, not REUSE codes
+#   X+nat   (diagnostic) the positions left out take the consumer's own K/V at the block layers: the ceiling of better codes
+#   X+zB    every REUSE code quantized at B bits (the calibrated levels: 5)
+#   X@S     the variant at block_tokens=S instead of the command line's share (sum@1: the whole block)
+# Teacher-forced KL against the Oracle's greedy answer, per prompt (no generation). Writes /tmp/sel_*.json.
+# Not part of the package and not imported by it; excluded from lint.
+"""Probe: which positions a token-sparse block recomputes (producer-side score variants), validation QA."""
+import json, sys, time
+import torch
+torch.set_num_threads(2)
+import shared.codecs as sc
+from shared.codecs.scd import SCD, PairArtifacts
+from shared.codecs import CodecContext
+from shared.artifacts import store
+from tools.cli.common import pair_models, items
+from tools.eval.harness import evaluate, codec_method
+import torch.nn.functional as F
+import os
+SPLIT = os.environ.get("SPLIT", "validation")
+
+VAR = {"v": "sum"}
+NATIVE = {}
+orig_make = sc.make_method
+def mk(*a, **k):
+    m = orig_make(*a, **k)
+    sel, _, opt = VAR["v"].partition("+")
+    m._sel = sel
+    if opt == "nat" and hasattr(m, "blocks") and m.art.side == "consumer":  # the ceiling of better codes
+        blk = {l for a_, b_ in m.blocks for l in range(a_, b_ + 1)}
+        orig = m._reuse
+        def nat(layer, tensors, orig=orig, blk=blk):
+            k, v = orig(layer, tensors)
+            if layer not in blk:
+                return k, v
+            t = k.shape[2]
+            return NATIVE["s"].keys[layer][:, :, -t:], NATIVE["s"].values[layer][:, :, -t:]
+        m._reuse = nat
+    if opt.startswith("z") and hasattr(m, "levels"):  # every REUSE code at this many bits
+        m.levels = {**m.levels, "z": int(opt[1:])}
+    if opt == "fb" and hasattr(m, "blocks"):  # the block layers' codes as the producer's own int8 K/V instead of REUSE codes
+        m.fallback = m.fallback | {l for a_, b_ in m.blocks for l in range(a_, b_ + 1)}
+    return m
+sc.make_method = mk
+
+def mass(m, layer, hidden, keys, nq, how):
+    x = hidden.to(m.device, m.dtype); t = x.shape[1]; nq = max(1, min(nq, t))
+    q = m.apply_rope(m.queries(layer, x[:, t - nq:]), t - nq)
+    k = m.apply_rope(keys.to(m.device, m.dtype), 0).repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    s = (q @ k.transpose(-1, -2)) * m.head_dim ** -0.5
+    qpos = torch.arange(t - nq, t).view(-1, 1)
+    s = s.masked_fill(torch.arange(t).view(1, -1) > qpos, float("-inf"))
+    p = torch.softmax(s.float(), -1)[0]  # [H, nq, T]
+    if how == "sum":
+        return p.sum((0, 1))
+    if how == "max":
+        return p.amax((0, 1))
+    if how == "hmax":  # per head: summed over queries, normalized by head total; max over heads
+        return p.sum(1).amax(0)
+    if how == "nosink":  # renormalize each row without its top-1 (sink) then sum
+        top = p.argmax(-1, keepdim=True)
+        p = p.scatter(-1, top, 0.0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        return p.sum((0, 1))
+    raise ValueError(how)
+
+def scores(self, state, block):
+    m = self.ctx.model
+    a, b = block
+    how = getattr(self, "_sel", "sum")
+    NATIVE["s"] = CONS.prefill(state.token_ids[0].tolist())
+    nq = 32
+    base = how
+    pool = 0
+    if ":" in how:
+        base, opt = how.split(":")
+        if opt.startswith("q"): nq = int(opt[1:])
+        if opt.startswith("p"): pool = int(opt[1:])
+    sc_ = 0
+    if base.startswith("cqk"):
+        tot = 0
+        for layer in (range(a, b) if base != "cqk1" else [a]):
+            r = state.residual[layer]
+            if layer == a and base in ("cqk1", "cqkm"):
+                w, mp, mc = (CART.t(f"entry.{x}.{a}", r.device) for x in ("w", "mu_p", "mu_c"))
+                x0 = r[0].float(); r = (x0 + (x0 - mp) @ w + (mc - mp)); r[0] = x0[0]; r = r.unsqueeze(0)
+            tot = tot + CONS.attention_mass(layer, r, nq)
+        return tot
+    if base == "csum":
+        cs = CONS.prefill(state.token_ids[0].tolist(), hidden_layers=list(range(a, b)))
+        state = cs
+        base = "sum"
+    for layer in range(a, b):
+        sc_ = sc_ + mass(m, layer, state.hidden[layer], state.keys[layer], nq, base)
+    if pool:
+        sc_ = F.max_pool1d(sc_.view(1, 1, -1), 2 * pool + 1, 1, pool).view(-1) * 0.5 + sc_ * 0.5
+    return sc_
+SCD._scores = scores
+
+pm = pair_models("strong")
+folder = pm.store(None) / "strong"
+meta, pt = store.load(folder, "producer"); _, ct = store.load(folder, "consumer")
+pctx, cctx = CodecContext(pm.producer), CodecContext(pm.consumer)
+pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
+n = int(sys.argv[1]); share = sys.argv[2]; variants = sys.argv[3].split(",")
+its = items(pm, SPLIT, kinds=("qa",))[:n]
+CONS = pm.consumer
+CART = cctx.artifacts
+runners = {}
+for v in variants:
+    vv, _, sh = v.partition("@")
+    VAR["v"] = vv
+    runners[v] = codec_method("scd", pctx, cctx, {"block_tokens": sh or share})
+runners = {"oracle": codec_method("oracle", pctx, cctx, None), **runners}
+hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
+residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())} | {l for a_, b_ in meta.patch_blocks for l in range(a_, b_)})
+# per-item KL: run evaluate per item
+t0 = time.time()
+per = {v: [] for v in runners}
+for i, it in enumerate(its):
+    r = evaluate(pm.producer, pm.consumer, pm.fmt, [it], runners, True, hidden_layers=hidden, residual_layers=residual, progress=False, generate=False)
+    for v in runners:
+        per[v].append(r["methods"][v]["kl"])
+    print(i, f"{time.time()-t0:.0f}s", {v: round(per[v][-1], 3) for v in variants}, flush=True)
+print({v: round(sum(x)/len(x), 4) for v, x in per.items()})
+json.dump(per, open(f"/tmp/sel_{SPLIT}_{share}_{n}_{sys.argv[3]}.json", "w"))
