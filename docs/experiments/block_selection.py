@@ -1,4 +1,4 @@
-# Research script (issue 16, twelfth round), kept so that docs/scd-speed.md's selection table can be rerun:
+# Research script (issue 16, twelfth and thirteenth rounds), kept so that docs/scd-speed.md's selection table can be rerun:
 #   SPLIT=validation .venv/bin/python docs/experiments/block_selection.py 48 0.25 sum,nosink,sum:p1,sum:q16
 #   SPLIT=test .venv/bin/python docs/experiments/block_selection.py 24 0.25 sum,csum,cqk,cqkm,sum@1
 # Variants (the producer's score of each position, from which `top_positions` takes the share):
@@ -12,6 +12,10 @@
 #   X+fb    the block layers (and the exit layer) send the producer's own int8 K/V for the positions left out, not REUSE codes
 #   X+nat   (diagnostic) the positions left out take the consumer's own K/V at the block layers: the ceiling of better codes
 #   X+zB    every REUSE code quantized at B bits (the calibrated levels: 5)
+#   X+ridge the positions left out take the pair's ridge profile's mapped K/V (the producer's K/V, full width, fp32)
+#   X+hnN   ... take a full-width ridge map (fitted here on 24 QA + 24 LM calibration prompts, ALPHA x mean variance,
+#           cached in /tmp) from the producer's normalized pre-attention input at the layer (hn1), with the block
+#           entry's (hn2), with the layer before's (hn3): what any code of the producer's per-position states can reach
 #   X@S     the variant at block_tokens=S instead of the command line's share (sum@1: the whole block)
 # Teacher-forced KL against the Oracle's greedy answer, per prompt (no generation). Writes /tmp/sel_*.json.
 # Not part of the package and not imported by it; excluded from lint.
@@ -46,6 +50,18 @@ def mk(*a, **k):
             t = k.shape[2]
             return NATIVE["s"].keys[layer][:, :, -t:], NATIVE["s"].values[layer][:, :, -t:]
         m._reuse = nat
+    if opt in ("ridge",) or opt.startswith("hn"):  # the left-out positions' K/V from a full-width calibrated map
+        if hasattr(m, "blocks") and m.art.side == "consumer":
+            blk = {l for a_, b_ in m.blocks for l in range(a_, b_ + 1)}
+            orig = m._reuse
+            def mapped(layer, tensors, orig=orig, blk=blk, opt=opt):
+                k, v = orig(layer, tensors)
+                if layer not in blk:
+                    return k, v
+                t = k.shape[2]
+                k2, v2 = MAPS[opt](layer, NATIVE["p"])
+                return k2[:, :, -t:].to(k.dtype), v2[:, :, -t:].to(v.dtype)
+            m._reuse = mapped
     if opt.startswith("z") and hasattr(m, "levels"):  # every REUSE code at this many bits
         m.levels = {**m.levels, "z": int(opt[1:])}
     if opt == "fb" and hasattr(m, "blocks"):  # the block layers' codes as the producer's own int8 K/V instead of REUSE codes
@@ -79,6 +95,7 @@ def scores(self, state, block):
     a, b = block
     how = getattr(self, "_sel", "sum")
     NATIVE["s"] = CONS.prefill(state.token_ids[0].tolist())
+    NATIVE["p"] = state
     nq = 32
     base = how
     pool = 0
@@ -116,13 +133,66 @@ n = int(sys.argv[1]); share = sys.argv[2]; variants = sys.argv[3].split(",")
 its = items(pm, SPLIT, kinds=("qa",))[:n]
 CONS = pm.consumer
 CART = cctx.artifacts
+MAPS = {}
+if any("+ridge" in v for v in variants):
+    from safetensors.torch import load_file
+    from shared.codecs.ridge import apply as ridge_apply
+    RT = load_file(str(pm.store(None) / "strong.ridge.safetensors"))
+    MAPS["ridge"] = lambda layer, st: ridge_apply(RT, st.keys, st.values, layer, 0, CONS.head_dim)
+HN = sorted({v.partition("+")[2] for v in variants if "+hn" in v})
+if HN:  # hnK: ridge from the producer's normalized pre-attention input at the layer (hn1), + the entry layer's (hn2), + layer-1's (hn3)
+    import math
+    a0, b0 = meta.patch_blocks[0]
+    lay = list(range(a0, b0 + 1))
+    cal = items(pm, "calibration", kinds=("qa",))[:24] + items(pm, "calibration", kinds=("lm",))[:24]
+    feats = {"hn1": lambda st, l: [st.hidden[l]], "hn2": lambda st, l: [st.hidden[l], st.hidden[a0]],
+             "hn3": lambda st, l: [st.hidden[l], st.hidden[l - 1]]}
+    acc = {(o, l): None for o in HN for l in lay}
+    t1 = time.time()
+    cache = {o: f"/tmp/hn_acc_{o}_{len(cal)}.pt" for o in HN}
+    for o in HN:
+        if os.path.exists(cache[o]):
+            got = torch.load(cache[o])
+            for l in lay: acc[(o, l)] = got[l]
+    todo = [o for o in HN if not os.path.exists(cache[o])]
+    for it in (cal if todo else []):
+        ids = it.prompt_ids
+        ps = pm.producer.prefill(ids, hidden_layers=list(range(a0 - 1, b0 + 1)))
+        cs = pm.consumer.prefill(ids)
+        for o in todo:
+            for l in lay:
+                x = torch.cat([f[0, 1:] for f in feats[o](ps, l)], -1).double()
+                x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], -1)
+                y = torch.cat([cs.keys[l][0].permute(1, 0, 2).flatten(1), cs.values[l][0].permute(1, 0, 2).flatten(1)], -1)[1:].double()
+                xtx, xty = x.T @ x, x.T @ y
+                if acc[(o, l)] is None: acc[(o, l)] = [xtx, xty]
+                else: acc[(o, l)][0] += xtx; acc[(o, l)][1] += xty
+    for o in todo: torch.save({l: acc[(o, l)] for l in lay}, cache[o])
+    W = {}
+    ALPHA = float(os.environ.get("ALPHA", "1e-3"))
+    for (o, l), (xtx, xty) in acc.items():
+        d = xtx.shape[0]
+        lam = ALPHA * torch.diagonal(xtx)[:-1].mean()
+        reg = torch.eye(d, dtype=xtx.dtype) * lam; reg[-1, -1] = 0
+        W[(o, l)] = torch.linalg.solve(xtx + reg, xty).float()
+    print(f"fitted {HN} on {len(cal)} prompts in {time.time()-t1:.0f}s", flush=True)
+    H, D = CONS.n_kv_heads, CONS.head_dim
+    def mk_map(o):
+        def f(layer, st):
+            x = torch.cat([z[0] for z in feats[o](st, layer)], -1).float()
+            y = torch.cat([x, torch.ones(x.shape[0], 1)], -1) @ W[(o, layer)]
+            k, v = y[:, :H * D], y[:, H * D:]
+            return (k.view(-1, H, D).permute(1, 0, 2).unsqueeze(0), v.view(-1, H, D).permute(1, 0, 2).unsqueeze(0))
+        return f
+    for o in HN:
+        MAPS[o] = mk_map(o)
 runners = {}
 for v in variants:
     vv, _, sh = v.partition("@")
     VAR["v"] = vv
     runners[v] = codec_method("scd", pctx, cctx, {"block_tokens": sh or share})
 runners = {"oracle": codec_method("oracle", pctx, cctx, None), **runners}
-hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
+hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())} | ({l for a_, b_ in meta.patch_blocks for l in range(a_ - 1, b_ + 1)} if HN else set()))
 residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())} | {l for a_, b_ in meta.patch_blocks for l in range(a_, b_)})
 # per-item KL: run evaluate per item
 t0 = time.time()
