@@ -11,6 +11,7 @@
 #   cqkm    cqk, the entry layer's state first mapped by the calibrated entry map; cqk1: the entry layer only
 #   X+fb    the block layers (and the exit layer) send the producer's own int8 K/V for the positions left out, not REUSE codes
 #   X+nat   (diagnostic) the positions left out take the consumer's own K/V at the block layers: the ceiling of better codes
+#   X+natA-B  the same at block layers A..B only (which layers' K/V carry the gap)
 #   X+zB    every REUSE code quantized at B bits (the calibrated levels: 5)
 #   X+ridge the positions left out take the pair's ridge profile's mapped K/V (the producer's K/V, full width, fp32)
 #   X+hnN   ... take a full-width ridge map (fitted here on 24 QA + 24 LM calibration prompts, ALPHA x mean variance,
@@ -40,8 +41,11 @@ def mk(*a, **k):
     m = orig_make(*a, **k)
     sel, _, opt = VAR["v"].partition("+")
     m._sel = sel
-    if opt == "nat" and hasattr(m, "blocks") and m.art.side == "consumer":  # the ceiling of better codes
+    if opt.startswith("nat") and hasattr(m, "blocks") and m.art.side == "consumer":  # the ceiling of better codes
         blk = {l for a_, b_ in m.blocks for l in range(a_, b_ + 1)}
+        if opt != "nat":  # natA-B: the consumer's own K/V at block layers A..B only
+            lo, hi = map(int, opt[3:].split("-"))
+            blk = {l for l in blk if lo <= l <= hi}
         orig = m._reuse
         def nat(layer, tensors, orig=orig, blk=blk):
             k, v = orig(layer, tensors)
