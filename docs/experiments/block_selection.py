@@ -6,6 +6,7 @@
 #   max     the largest attention any head and query pays a position; hmax: per head summed over queries, max over heads
 #   nosink  each query's attention renormalized without its top position (the sink) before summing
 #   X:qN    the last N tokens as queries instead of 32; X:p1  the score half max-pooled over +-1 position
+#   X:cC    per prompt, as many positions as cover the share C of the score (the last 16 and the sink aside): an adaptive share
 #   csum    the consumer's OWN attention from its own prefill (knowledge no consumer has: the ceiling of selection)
 #   cqk     the consumer's norms and q/k projections applied to the producer's residual stream at each block layer
 #   cqkm    cqk, the entry layer's state first mapped by the calibrated entry map; cqk1: the entry layer only
@@ -18,6 +19,7 @@
 #           cached in /tmp) from the producer's normalized pre-attention input at the layer (hn1), with the block
 #           entry's (hn2), with the layer before's (hn3): what any code of the producer's per-position states can reach
 #   X@S     the variant at block_tokens=S instead of the command line's share (sum@1: the whole block)
+# ITEMS=3,9 keeps only those of the first N prompts.
 # Teacher-forced KL against the Oracle's greedy answer, per prompt (no generation). Writes /tmp/sel_*.json.
 # Not part of the package and not imported by it; excluded from lint.
 """Probe: which positions a token-sparse block recomputes (producer-side score variants), validation QA."""
@@ -103,10 +105,12 @@ def scores(self, state, block):
     nq = 32
     base = how
     pool = 0
+    cover = None
     if ":" in how:
         base, opt = how.split(":")
         if opt.startswith("q"): nq = int(opt[1:])
         if opt.startswith("p"): pool = int(opt[1:])
+        if opt.startswith("c"): cover = float(opt[1:])
     sc_ = 0
     if base.startswith("cqk"):
         tot = 0
@@ -125,7 +129,20 @@ def scores(self, state, block):
         sc_ = sc_ + mass(m, layer, state.hidden[layer], state.keys[layer], nq, base)
     if pool:
         sc_ = F.max_pool1d(sc_.view(1, 1, -1), 2 * pool + 1, 1, pool).view(-1) * 0.5 + sc_ * 0.5
+    COV["k"] = None
+    if cover is not None:  # as many positions as cover this share of the score (the last 16 aside)
+        t = sc_.float().clone(); t[-16:] = 0; t[0] = 0  # the sink (position 0) is kept by its score anyway
+        cum = t.sort(descending=True).values.cumsum(0) / t.sum()
+        COV["k"] = min(t.shape[0], int((cum < cover).sum()) + 2 + 16)
+        SHARES.setdefault(how, []).append(COV["k"] / t.shape[0])
     return sc_
+COV, SHARES = {"k": None}, {}
+_n_keep = SCD.n_keep
+def n_keep(self, n_tokens, start):
+    if ":c" in getattr(self, "_sel", "") and COV["k"] is not None:
+        return COV["k"]
+    return _n_keep(self, n_tokens, start)
+SCD.n_keep = n_keep
 SCD._scores = scores
 
 pm = pair_models("strong")
@@ -135,6 +152,8 @@ pctx, cctx = CodecContext(pm.producer), CodecContext(pm.consumer)
 pctx.artifacts, cctx.artifacts = PairArtifacts(meta, pt, "producer"), PairArtifacts(meta, ct, "consumer")
 n = int(sys.argv[1]); share = sys.argv[2]; variants = sys.argv[3].split(",")
 its = items(pm, SPLIT, kinds=("qa",))[:n]
+if os.environ.get("ITEMS"):  # only these indices of the first n
+    its = [its[int(i)] for i in os.environ["ITEMS"].split(",")]
 CONS = pm.consumer
 CART = cctx.artifacts
 MAPS = {}
@@ -207,4 +226,7 @@ for i, it in enumerate(its):
         per[v].append(r["methods"][v]["kl"])
     print(i, f"{time.time()-t0:.0f}s", {v: round(per[v][-1], 3) for v in variants}, flush=True)
 print({v: round(sum(x)/len(x), 4) for v, x in per.items()})
+for v, x in SHARES.items():
+    print(v, "adaptive shares: mean", round(sum(x) / len(x), 3), "min", round(min(x), 3), "max", round(max(x), 3))
+    per[v + " shares"] = x
 json.dump(per, open(f"/tmp/sel_{SPLIT}_{share}_{n}_{sys.argv[3]}.json", "w"))
