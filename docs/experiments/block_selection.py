@@ -16,7 +16,7 @@
 #   X+zB    every REUSE code quantized at B bits (the calibrated levels: 5)
 #   X+ridge the positions left out take the pair's ridge profile's mapped K/V (the producer's K/V, full width, fp32)
 #   X+hnN   ... take a full-width ridge map (fitted here on 24 QA + 24 LM calibration prompts, ALPHA x mean variance,
-#           cached in /tmp) from the producer's normalized pre-attention input at the layer (hn1), with the block
+#           moments cached in /tmp) from the producer's normalized pre-attention input at the layer (hn1), with the block
 #           entry's (hn2), with the layer before's (hn3): what any code of the producer's per-position states can reach
 #   X@S     the variant at block_tokens=S instead of the command line's share (sum@1: the whole block)
 # ITEMS=3,9 keeps only those of the first N prompts.
@@ -39,35 +39,32 @@ SPLIT = os.environ.get("SPLIT", "validation")
 VAR = {"v": "sum"}
 NATIVE = {}
 orig_make = sc.make_method
+def substitute(m, layers, source):
+    """The consumer method ``m``'s K/V of the positions left out, at ``layers``, taken from ``source(layer)``
+    (K/V [1, H, T, D] of the whole prompt) instead of its REUSE codes."""
+    orig = m._reuse
+    def sub(layer, tensors):
+        k, v = orig(layer, tensors)
+        if layer not in layers:
+            return k, v
+        t = k.shape[2]
+        k2, v2 = source(layer)
+        return k2[:, :, -t:].to(k.dtype), v2[:, :, -t:].to(v.dtype)
+    m._reuse = sub
+
 def mk(*a, **k):
     m = orig_make(*a, **k)
     sel, _, opt = VAR["v"].partition("+")
     m._sel = sel
-    if opt.startswith("nat") and hasattr(m, "blocks") and m.art.side == "consumer":  # the ceiling of better codes
+    if (opt.startswith(("nat", "hn")) or opt == "ridge") and hasattr(m, "blocks") and m.art.side == "consumer":
         blk = {l for a_, b_ in m.blocks for l in range(a_, b_ + 1)}
-        if opt != "nat":  # natA-B: the consumer's own K/V at block layers A..B only
-            lo, hi = map(int, opt[3:].split("-"))
-            blk = {l for l in blk if lo <= l <= hi}
-        orig = m._reuse
-        def nat(layer, tensors, orig=orig, blk=blk):
-            k, v = orig(layer, tensors)
-            if layer not in blk:
-                return k, v
-            t = k.shape[2]
-            return NATIVE["s"].keys[layer][:, :, -t:], NATIVE["s"].values[layer][:, :, -t:]
-        m._reuse = nat
-    if opt in ("ridge",) or opt.startswith("hn"):  # the left-out positions' K/V from a full-width calibrated map
-        if hasattr(m, "blocks") and m.art.side == "consumer":
-            blk = {l for a_, b_ in m.blocks for l in range(a_, b_ + 1)}
-            orig = m._reuse
-            def mapped(layer, tensors, orig=orig, blk=blk, opt=opt):
-                k, v = orig(layer, tensors)
-                if layer not in blk:
-                    return k, v
-                t = k.shape[2]
-                k2, v2 = MAPS[opt](layer, NATIVE["p"])
-                return k2[:, :, -t:].to(k.dtype), v2[:, :, -t:].to(v.dtype)
-            m._reuse = mapped
+        if opt.startswith("nat"):  # the ceiling of better codes; natA-B: at block layers A..B only
+            if opt != "nat":
+                lo, hi = map(int, opt[3:].split("-"))
+                blk = {l for l in blk if lo <= l <= hi}
+            substitute(m, blk, lambda layer: (NATIVE["s"].keys[layer], NATIVE["s"].values[layer]))
+        else:  # a full-width calibrated map of the producer's states
+            substitute(m, blk, lambda layer, opt=opt: MAPS[opt](layer, NATIVE["p"]))
     if opt.startswith("z") and hasattr(m, "levels"):  # every REUSE code at this many bits
         m.levels = {**m.levels, "z": int(opt[1:])}
     if opt == "fb" and hasattr(m, "blocks"):  # the block layers' codes as the producer's own int8 K/V instead of REUSE codes
@@ -164,19 +161,19 @@ if any("+ridge" in v for v in variants):
     MAPS["ridge"] = lambda layer, st: ridge_apply(RT, st.keys, st.values, layer, 0, CONS.head_dim)
 HN = sorted({v.partition("+")[2] for v in variants if "+hn" in v})
 if HN:  # hnK: ridge from the producer's normalized pre-attention input at the layer (hn1), + the entry layer's (hn2), + layer-1's (hn3)
-    import math
+    from tools.calibration.linalg import Moments, ridge
     a0, b0 = meta.patch_blocks[0]
     lay = list(range(a0, b0 + 1))
     cal = items(pm, "calibration", kinds=("qa",))[:24] + items(pm, "calibration", kinds=("lm",))[:24]
     feats = {"hn1": lambda st, l: [st.hidden[l]], "hn2": lambda st, l: [st.hidden[l], st.hidden[a0]],
              "hn3": lambda st, l: [st.hidden[l], st.hidden[l - 1]]}
-    acc = {(o, l): None for o in HN for l in lay}
+    mom, width = {}, {}  # the joint moments of [producer features | consumer K/V] per variant and layer
     t1 = time.time()
-    cache = {o: f"/tmp/hn_acc_{o}_{len(cal)}.pt" for o in HN}
+    cache = {o: f"/tmp/hn_mom_{o}_{len(cal)}.pt" for o in HN}
     for o in HN:
         if os.path.exists(cache[o]):
-            got = torch.load(cache[o])
-            for l in lay: acc[(o, l)] = got[l]
+            for l, (n_, sum_, gram) in torch.load(cache[o]).items():
+                mom[(o, l)] = Moments(sum_.shape[0]); mom[(o, l)].n, mom[(o, l)].sum, mom[(o, l)].gram = n_, sum_, gram
     todo = [o for o in HN if not os.path.exists(cache[o])]
     for it in (cal if todo else []):
         ids = it.prompt_ids
@@ -184,20 +181,17 @@ if HN:  # hnK: ridge from the producer's normalized pre-attention input at the l
         cs = pm.consumer.prefill(ids)
         for o in todo:
             for l in lay:
-                x = torch.cat([f[0, 1:] for f in feats[o](ps, l)], -1).double()
-                x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], -1)
-                y = torch.cat([cs.keys[l][0].permute(1, 0, 2).flatten(1), cs.values[l][0].permute(1, 0, 2).flatten(1)], -1)[1:].double()
-                xtx, xty = x.T @ x, x.T @ y
-                if acc[(o, l)] is None: acc[(o, l)] = [xtx, xty]
-                else: acc[(o, l)][0] += xtx; acc[(o, l)][1] += xty
-    for o in todo: torch.save({l: acc[(o, l)] for l in lay}, cache[o])
+                x = torch.cat([f[0, 1:] for f in feats[o](ps, l)], -1)  # position 0 (the sink) not fitted
+                y = torch.cat([cs.keys[l][0].permute(1, 0, 2).flatten(1), cs.values[l][0].permute(1, 0, 2).flatten(1)], -1)[1:]
+                mom.setdefault((o, l), Moments(x.shape[1] + y.shape[1])).add(torch.cat([x, y], -1).double())
+    for o in todo: torch.save({l: (mom[(o, l)].n, mom[(o, l)].sum, mom[(o, l)].gram) for l in lay}, cache[o])
     W = {}
     ALPHA = float(os.environ.get("ALPHA", "1e-3"))
-    for (o, l), (xtx, xty) in acc.items():
-        d = xtx.shape[0]
-        lam = ALPHA * torch.diagonal(xtx)[:-1].mean()
-        reg = torch.eye(d, dtype=xtx.dtype) * lam; reg[-1, -1] = 0
-        W[(o, l)] = torch.linalg.solve(xtx + reg, xty).float()
+    for (o, l), mm in mom.items():  # ridge with an unpenalized intercept; penalty ALPHA x the features' mean second moment
+        d = mm.sum.shape[0] - 2 * CONS.kv_dim
+        c, mu = mm.cov(), mm.mean
+        w = ridge(c[:d, :d], c[:d, d:], ALPHA * float(torch.diagonal(mm.cov(center=False))[:d].mean()))
+        W[(o, l)] = torch.cat([w, (mu[d:] - mu[:d] @ w).unsqueeze(0)]).float()  # [features + 1, K/V]
     print(f"fitted {HN} on {len(cal)} prompts in {time.time()-t1:.0f}s", flush=True)
     H, D = CONS.n_kv_heads, CONS.head_dim
     def mk_map(o):
@@ -215,7 +209,7 @@ for v in variants:
     VAR["v"] = vv
     runners[v] = codec_method("scd", pctx, cctx, {"block_tokens": sh or share})
 runners = {"oracle": codec_method("oracle", pctx, cctx, None), **runners}
-hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())} | ({l for a_, b_ in meta.patch_blocks for l in range(a_ - 1, b_ + 1)} if HN else set()))
+hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())} | (set(range(a0 - 1, b0 + 1)) if HN else set()))
 residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())} | {l for a_, b_ in meta.patch_blocks for l in range(a_, b_)})
 # per-item KL: run evaluate per item
 t0 = time.time()
