@@ -95,9 +95,11 @@ demo: install assets
 bench-overlap: install assets
 	$(SCD) bench-overlap --pair strong --tokens 1000 --methods raw
 
-# TTFT over a rate-limited link between two network namespaces (needs root; ~30-40 min on 2 idle cores)
+# TTFT over a rate-limited link between two network namespaces (needs root; ~40-60 min on 2 idle cores):
+# scd bench's 8 methods plus the token-sparse block that `auto` serves on strong (the README's grid)
+BENCH_METHODS ?= oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd,scd:block_tokens=0.35
 bench: install assets
-	$(SCD) bench --json results/bench.json --png results/bench.png
+	$(SCD) bench --methods $(BENCH_METHODS) --json results/bench.json --png results/bench.png
 
 # 10 minutes of mixed traffic against both services (a benchmark: exits 1 on a lost request, a 5xx or a leak)
 soak: install assets
