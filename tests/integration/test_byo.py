@@ -87,7 +87,7 @@ def test_bring_your_own_pair_end_to_end(byo_pair, tmp_path):
         env=env)
     res = tmp_path / "eval.json"
     scd("eval", "--pair", "my-pair", "--data", str(d["data"]), "--methods", "oracle,raw,scd-reuse,scd,droidspeak",
-        "--n", "10", "--json", str(res), env=env)
+        "--n", "10", "--no-answers", "--json", str(res), env=env)  # KL only (the tiny pair's test decodes answers)
     body = json.loads(res.read_text())
     kl = {m: r["kl"] for m, r in body["methods"].items()}
     assert body["data"] == str(d["data"]) and body["n"] >= 6
@@ -179,6 +179,17 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
     assert body["methods"]["oracle"]["kl"] == 0.0 and body["methods"]["raw"]["kl"] > 0
     assert sum(body["auto_choices"].values()) == body["methods"]["auto"]["n"]
     assert set(body["auto_choices"]) <= set(points)
+    assert body["answers"] and all(body["methods"][m]["agree_f1"] is not None for m in ("raw", "scd"))
+    # --no-answers: the same teacher-forced measures, no greedy answers decoded
+    quick = tmp_path / "quick.json"
+    scd("eval", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--n", "4", "--json", str(quick),
+        "--methods", "oracle,raw,scd", "--no-answers", env=env)
+    qb = json.loads(quick.read_text())
+    assert qb["answers"] is False
+    for m in ("raw", "scd"):
+        assert qb["methods"][m]["agree_f1"] is None and qb["methods"][m]["task_f1"] is None
+        for key in ("kl", "top1", "ppl", "bytes_per_token"):
+            assert qb["methods"][m][key] == pytest.approx(body["methods"][m][key], rel=1e-6, abs=1e-9), (m, key)
     text = serve_and_generate("tiny-lora", "river city song. Which word came first?", env, tmp_path,
                               methods=("scd", "auto"))
     assert "[scd] TTFT" in text and "tokens at" in text and "auto chose " in text

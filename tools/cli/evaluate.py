@@ -105,6 +105,9 @@ def eval_(
     json_out: Optional[Path] = typer.Option(None, "--json"),
     param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
     sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
+    answers: bool = typer.Option(True, help="Also decode each method's greedy answer (agreement and task F1); "
+                                 "--no-answers takes the teacher-forced measures only (KL, top-1, perplexity), "
+                                 "several times faster."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
 ) -> None:
@@ -191,8 +194,9 @@ def eval_(
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
     residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
     its = items(pm, "test", n, data_file, kinds=(data_kind,))
-    res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual)
-    res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=data_kind,
+    res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual,
+                   generate=answers)
+    res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=data_kind, answers=answers,
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
