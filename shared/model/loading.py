@@ -125,6 +125,26 @@ def folder_fingerprint(path: str | Path, adapter: str | Path | None = None) -> s
     return h.hexdigest()[:16]
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device this process can use: ``cpu``, ``cuda`` or ``cuda:N``; anything else,
+    or CUDA where this torch build or machine has none, is refused with what to set instead."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {str(device)!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device {str(device)!r}: only cpu and cuda devices are supported")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        raise ConfigError(f"device {str(device)!r}: this torch ({torch.__version__}) is {build}; use device cpu")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise ConfigError(f"device {str(device)!r}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
 def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                adapter: str | Path | None = None, fingerprint: bool = True):
     """``from_pretrained`` of a checked folder (safetensors only), with ``adapter`` (a LoRA folder)
@@ -133,6 +153,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path).expanduser()
+    dev = check_device(device)
     read_config(path)
     if adapter is not None:
         adapter = check_adapter_folder(adapter)
@@ -144,7 +165,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
             model = PeftModel.from_pretrained(model, adapter, use_safetensors=True).merge_and_unload()
         except (ValueError, KeyError, RuntimeError) as e:
             raise ModelFolderError(f"adapter {adapter} does not fit the model in {path}: {e}") from None
-    model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]  # transformers' typed wrapper
+    model = model.to(dev).eval()  # type: ignore[arg-type]  # transformers' typed wrapper
     if fingerprint:
         model.scd_fingerprint = folder_fingerprint(path, adapter)
     return model

@@ -178,3 +178,40 @@ def test_builtin_pairs_use_the_running_checkouts_store(home, folders, monkeypatc
     assert e.store is None and e.store_dir() == STORE_DIR
     body = json.loads((home / "home" / "pairs.json").read_text())
     assert body["pairs"]["builtin-like"]["store"] is None
+
+
+def test_devices_are_checked_before_any_weight_is_read(home, folders):
+    from shared.errors import ConfigError
+    from shared.model.loading import check_device, load_model
+
+    assert check_device("cpu") == torch.device("cpu")
+    for bad, match in (("gpu", "is not a device; use cpu, cuda or cuda:N"), ("cuda:x", "is not a device"),
+                       ("mps", "only cpu and cuda")):
+        with pytest.raises(ConfigError, match=match):
+            check_device(bad)
+    if torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA device"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ConfigError, match="use device cpu"):
+            check_device("cuda")
+    with pytest.raises(ConfigError, match="'gpu' is not a device"):
+        load_model(folders["producer"], "gpu")
+    r = CliRunner()
+    assert r.invoke(app, ["pair", "add", "dev", "--producer", folders["producer"], "--consumer",
+                          folders["consumer"]]).exit_code == 0
+    res = r.invoke(app, ["eval", "--pair", "dev", "--device", "gpu", "--n", "1", "--methods", "oracle,raw"])
+    assert res.exit_code == 2 and "pair 'dev': device 'gpu' is not a device" in res.output, res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--methods", ""], "--methods needs at least one name"),
+    (["--methods", " , "], "--methods needs at least one name"),
+    (["--methods", "oracle,raw", "--param", "nodot"], "--param takes METHOD.KEY=VALUE"),
+    (["--methods", "oracle,raw", "--param", "raw.bits"], "--param takes METHOD.KEY=VALUE"),
+    (["--methods", "oracle,raw", "--param", ".bits=8"], "--param takes METHOD.KEY=VALUE"),
+    (["--methods", "oracle,raw", "--param", "quant.bits=8"], "method 'quant' is not in --methods"),
+])
+def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
+    res = CliRunner().invoke(app, ["eval", "--pair", "nope", *args])
+    assert res.exit_code == 2 and match in " ".join(res.output.split()), res.output

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, setup_logging
+from tools.cli.common import fail, name_list, setup_logging
 
 
 @app.command("bench-overlap")
@@ -25,7 +25,7 @@ def bench_overlap(
     """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
     from tools.eval import overlap
 
-    res = overlap.run(pair, tokens, tuple(methods.split(",")), iters, tiny)
+    res = overlap.run(pair, tokens, name_list(methods), iters, tiny)
     if json_out:
         json_out.write_text(json.dumps(res, indent=2) + "\n")
 
@@ -86,7 +86,7 @@ def bench(
         cfg.methods, cfg.bandwidths_mbit, cfg.tokens, cfg.repeats = (
             ("oracle", "raw", "droidspeak", "scd-reuse", "scd"), (1000.0,), (1000,), 3)
     if methods:
-        cfg.methods = tuple(m for m in methods.split(",") if m)
+        cfg.methods = name_list(methods)
     if bandwidths:
         cfg.bandwidths_mbit = floats(bandwidths)
     if tokens:
@@ -111,9 +111,9 @@ def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device
     if quick:
         cfg.prompts = 3
     if pairs:
-        cfg.pairs = tuple(p for p in pairs.split(",") if p)
+        cfg.pairs = name_list(pairs, "--pairs")
     if methods:
-        cfg.policies = tuple(m for m in methods.split(",") if m)
+        cfg.policies = name_list(methods)
     try:
         if bandwidths:
             cfg.link_mbit = float(bandwidths.split(",")[0])

@@ -23,6 +23,14 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def name_list(value: str, option: str = "--methods") -> tuple[str, ...]:
+    """A comma-separated option's names (spaces around them dropped); an empty list is refused."""
+    names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
+    if not names:
+        raise typer.BadParameter(f"{option} needs at least one name (comma-separated), got {value!r}")
+    return names
+
+
 def torch_dtype(name: str):
     import torch
 

@@ -15,6 +15,7 @@ from tools.cli.common import (
     check_data,
     fail,
     items,
+    name_list,
     pair_models,
     setup_logging,
     validation_prompts,
@@ -126,7 +127,7 @@ def eval_(
         raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {data_kind!r}")
     from shared.codecs import parse_variant
 
-    labels = [m for m in methods.split(",") if m]
+    labels = list(name_list(methods))
     try:
         variants = {m: parse_variant(m) for m in labels}  # a kind, or a kind with settings (scd:block_tokens=0.2)
     except ValueError as e:
@@ -139,9 +140,13 @@ def eval_(
         raise typer.BadParameter("--sweep varies each method's knob; auto has none (leave it out of --methods)")
     params: dict[str, dict[str, str]] = {}
     for p in param:
-        key, _, value = p.partition("=")
-        meth, _, k = key.partition(".")
-        params.setdefault(meth, {})[k] = value
+        key, eq, value = p.partition("=")
+        meth, dot, k = key.partition(".")
+        if not (eq and dot and meth.strip() and k.strip()):
+            raise typer.BadParameter(f"--param takes METHOD.KEY=VALUE (scd.block_tokens=0.35), got {p!r}")
+        if meth.strip() not in names:
+            raise typer.BadParameter(f"--param {p!r}: method {meth.strip()!r} is not in --methods {names}")
+        params.setdefault(meth.strip(), {})[k.strip()] = value
     t0 = time.perf_counter()
     check_data(data_file)
     pm = pair_models(pair, device, dtype)

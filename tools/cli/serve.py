@@ -259,6 +259,6 @@ def demo(
 ) -> None:
     """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""
     from tools import demo as d
-    from tools.cli.common import entry
+    from tools.cli.common import entry, name_list
 
-    d.run(entry(pair), tuple(m for m in methods.split(",") if m), max_new_tokens, data_file=data_file)
+    d.run(entry(pair), name_list(methods), max_new_tokens, data_file=data_file)
