@@ -137,7 +137,8 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type != "cuda":
         raise ConfigError(f"device {str(device)!r}: only cpu and cuda devices are supported")
     if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        cuda = torch.version.cuda
+        build = "a CPU-only build" if cuda is None else f"built for CUDA {cuda}, but no GPU is visible"
         raise ConfigError(f"device {str(device)!r}: this torch ({torch.__version__}) is {build}; use device cpu")
     n = torch.cuda.device_count()
     if dev.index is not None and dev.index >= n:
