@@ -16,3 +16,20 @@ def test_a_plain_kind_and_a_kind_with_settings():
 def test_a_setting_without_key_or_value_is_refused_with_an_example(bad):
     with pytest.raises(BenchError, match="KEY=VALUE"):
         variant(bad)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--tokens", "1.5"], "--tokens takes comma-separated whole numbers"),
+    (["--tokens", "500,x"], "--tokens takes comma-separated whole numbers"),
+    (["--bandwidths", "fast"], "expected comma-separated numbers"),
+    (["--methods", ","], "--methods needs at least one name"),
+    (["--fleet", "--pairs", " "], "--pairs needs at least one name"),
+    (["--fleet", "--tokens", "1.5"], "--tokens a whole number"),
+])
+def test_bench_options_are_refused_before_anything_starts(args, match):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    res = CliRunner().invoke(app, ["bench", *args])
+    assert res.exit_code == 2 and match in " ".join(res.output.split()), res.output

@@ -90,7 +90,10 @@ def bench(
     if bandwidths:
         cfg.bandwidths_mbit = floats(bandwidths)
     if tokens:
-        cfg.tokens = tuple(int(x) for x in floats(tokens))
+        try:
+            cfg.tokens = tuple(int(x) for x in tokens.split(",") if x.strip())
+        except ValueError:
+            raise typer.BadParameter(f"--tokens takes comma-separated whole numbers, got {tokens!r}") from None
     if repeats:
         cfg.repeats = repeats
     if threads:
@@ -120,7 +123,7 @@ def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device
         if tokens:
             cfg.tokens = int(tokens.split(",")[0])
     except ValueError:
-        raise typer.BadParameter("--bandwidths and --tokens take numbers") from None
+        raise typer.BadParameter("--bandwidths takes a number and --tokens a whole number") from None
     if repeats:
         cfg.prompts = repeats
     if threads:
