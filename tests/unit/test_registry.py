@@ -215,3 +215,9 @@ def test_devices_are_checked_before_any_weight_is_read(home, folders):
 def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
     res = CliRunner().invoke(app, ["eval", "--pair", "nope", *args])
     assert res.exit_code == 2 and match in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "true"])
+def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
+    res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--method", "droidspeak", "--set", f"n_val={value}"])
+    assert res.exit_code == 2 and "--set n_val takes a whole number >= 1" in " ".join(res.output.split()), res.output

@@ -54,11 +54,11 @@ def calibrate(
         cfg = CalibrationSettings(pair=pair, **overrides) if method == "scd" else None
     except ValueError as e:
         fail(str(e))
+    n_val = cfg.n_val if cfg else _whole(overrides, "n_val", 24)
     check_data(data_file)
     pm = pair_models(pair, device, dtype)
     out = pm.store(out)
     stop = pm.fmt.stop_ids
-    n_val = (cfg.n_val if cfg else int(overrides.get("n_val", 24)))
     val_items = validation_items(pm, data_file, n_val)
     val = [(it.prompt_ids, it.prefix_len, list(it.continuation_ids)) for it in val_items]
     source = f"{data_file} (sha256 {_sha(data_file)[:12]})" if data_file else "built-in data"
@@ -104,7 +104,8 @@ def calibrate(
         if method == "ridge":
             from tools.calibration.ridge import calibrate as fit_ridge
 
-            n_prompts = int(overrides.pop("n_prompts", 64))
+            n_prompts = _whole(overrides, "n_prompts", 64)
+            overrides.pop("n_prompts", None)
             overrides.pop("n_val", None)
             tensors, prof = fit_ridge(pm.producer, pm.consumer, cal[:n_prompts], val, stop_ids=stop, **overrides)
             path = save_profile(prof, tensors)
@@ -144,6 +145,14 @@ def calibrate(
                        err=not fb["bound_met"])
     typer.echo(json.dumps({"stage_seconds": report["stage_seconds"], "peak_rss_mb": report.get("peak_rss_mb"),
                            "validation": v, "selected_kl": report["selected_kl"]}))
+
+
+def _whole(overrides: dict, key: str, default: int) -> int:
+    """A count among the --set values: a whole number >= 1, or a usage error naming the flag."""
+    v = overrides.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise typer.BadParameter(f"--set {key} takes a whole number >= 1, got {v!r}")
+    return v
 
 
 def _fast(pm, out: Path, pair: str, cal: list, val: list, cfg) -> bool:
