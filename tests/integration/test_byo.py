@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,8 +192,11 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
         for key in ("kl", "top1", "ppl", "bytes_per_token"):
             assert qb["methods"][m][key] == pytest.approx(body["methods"][m][key], rel=1e-6, abs=1e-9), (m, key)
     text = serve_and_generate("tiny-lora", "river city song. Which word came first?", env, tmp_path,
-                              methods=("scd", "auto"))
+                              methods=("scd", "auto", "scd:block_tokens=0.5"))
     assert "[scd] TTFT" in text and "tokens at" in text and "auto chose " in text
+    # the variant label travels as the method and its settings: the sparse block sends the block layers' codes too
+    wire = [int(b.replace(",", "")) for b in re.findall(r"\[scd\] TTFT \d+ ms \| ([\d,]+) bytes", text)]
+    assert len(wire) == 2 and wire[1] > wire[0], text
 
 
 def test_data_file_errors_are_clear(tiny_folders, tmp_path):

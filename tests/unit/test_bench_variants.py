@@ -32,4 +32,4 @@ def test_bench_options_are_refused_before_anything_starts(args, match):
     from tools.cli import app
 
     res = CliRunner().invoke(app, ["bench", *args])
-    assert res.exit_code == 2 and match in " ".join(res.output.split()), res.output
+    assert res.exit_code == 2 and match in " ".join(res.output.replace("│", " ").split()), res.output

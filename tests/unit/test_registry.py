@@ -14,6 +14,11 @@ from tools.assets import registry
 from tools.cli import app
 
 
+def said(res) -> str:
+    """A CLI run's output as one line: rich's error box borders and line wraps removed."""
+    return " ".join(res.output.replace("│", " ").split())
+
+
 @pytest.fixture()
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("SCD_HOME", str(tmp_path / "home"))
@@ -214,10 +219,24 @@ def test_devices_are_checked_before_any_weight_is_read(home, folders):
 ])
 def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
     res = CliRunner().invoke(app, ["eval", "--pair", "nope", *args])
-    assert res.exit_code == 2 and match in " ".join(res.output.split()), res.output
+    assert res.exit_code == 2 and match in said(res), res.output
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "true"])
 def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--method", "droidspeak", "--set", f"n_val={value}"])
-    assert res.exit_code == 2 and "--set n_val takes a whole number >= 1" in " ".join(res.output.split()), res.output
+    assert res.exit_code == 2 and "--set n_val takes a whole number >= 1" in said(res), res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--param", "nodot"], "--param takes KEY=VALUE"),
+    (["--param", "=1"], "--param takes KEY=VALUE"),
+    (["--method", "scd:block_tokens"], "settings are KEY=VALUE"),
+    (["--method", "scd:block_tokens=0.35", "--param", "block_tokens=0.2"], "contradicts --method scd's"),
+    (["--max-new-tokens", "0"], "greater than or equal to 1"),
+    (["--seed", "-5"], "greater than or equal to 0"),
+    (["--timeout", "0"], "greater than or equal to 0.001"),
+])
+def test_generate_refuses_bad_options_before_it_connects(args, match):
+    res = CliRunner().invoke(app, ["generate", "--producer", "127.0.0.1:1", "hi", *args])
+    assert res.exit_code == 2 and match in said(res), res.output

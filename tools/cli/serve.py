@@ -188,15 +188,16 @@ def generate(
     producer: str = typer.Option("127.0.0.1:50051", help="HOST:PORT of the producer."),
     consumer: str = typer.Option("strong", "--consumer", "--pair", help="Consumer (pair) name; several, comma-"
                                  "separated (a,b), fan the prompt out: one base prefill, each its own answer."),
-    method: str = typer.Option("", help="Transfer method (default: the producer's)."),
+    method: str = typer.Option("", help="Transfer method (default: the producer's); a method with settings is "
+                               "KIND:KEY=VALUE;KEY=VALUE (scd:block_tokens=0.35)."),
     param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
-    max_new_tokens: int = typer.Option(64),
+    max_new_tokens: int = typer.Option(64, min=1, max=2**32 - 1),
     temperature: float = typer.Option(0.0),
     top_p: float = typer.Option(1.0),
     stop: list[str] = typer.Option([]),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, max=2**64 - 1),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
-    timeout: float = typer.Option(120.0, help="Deadline in seconds."),
+    timeout: float = typer.Option(120.0, min=0.001, help="Deadline in seconds."),
     token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
     tls_ca: Optional[Path] = typer.Option(None, help="PEM CA to verify a TLS producer."),
 ) -> None:
@@ -209,7 +210,20 @@ def generate(
     names = [c.strip() for c in consumer.split(",") if c.strip()]
     if not names or len(set(names)) != len(names):
         raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}")
-    params = dict(p.split("=", 1) for p in param if "=" in p)
+    from shared.codecs import parse_variant
+
+    try:
+        method, params = parse_variant(method)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    for p in param:
+        key, eq, value = p.partition("=")
+        if not (eq and key.strip()):
+            raise typer.BadParameter(f"--param takes KEY=VALUE (block_tokens=0.35), got {p!r}")
+        if key.strip() in params and params[key.strip()] != value:
+            raise typer.BadParameter(f"--param {p!r} contradicts --method {method}'s {key.strip()}="
+                                     f"{params[key.strip()]}")
+        params[key.strip()] = value
 
     def one(name: str, stream_out: bool):
         req = client.request(prompt, name, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
