@@ -131,8 +131,11 @@ class ProducerEngine(Engine):
             ids = list(req.prompt)
         if len(ids) == 1 and fmt is not None and fmt.doc_start_id is not None:
             ids = [fmt.doc_start_id, *ids]  # one token: it starts a document (the cache must hold one position)
+        if not ids:
+            raise InvalidRequest("prompt has no tokens; send text or at least one token id")
         if len(ids) < 2:
-            raise InvalidRequest(f"prompt has {len(ids)} token(s); at least 2 are needed")
+            raise InvalidRequest("prompt has 1 token and this producer's tokenizer has no document-start token to "
+                                 "put before it; send at least 2 token ids")
         if len(ids) > s.max_prompt_tokens:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {s.max_prompt_tokens}")
         vocab = self.adapter.config.vocab_size
