@@ -108,7 +108,7 @@ def eval_(
     sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
     answers: bool = typer.Option(True, help="Also decode each method's greedy answer (agreement and task F1); "
                                  "--no-answers takes the teacher-forced measures only (KL, top-1, perplexity), "
-                                 "several times faster."),
+                                 "in about half the time."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
 ) -> None:
