@@ -197,6 +197,13 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
     # the variant label travels as the method and its settings: the sparse block sends the block layers' codes too
     wire = [int(b.replace(",", "")) for b in re.findall(r"\[scd\] TTFT \d+ ms \| ([\d,]+) bytes", text)]
     assert len(wire) == 2 and wire[1] > wire[0], text
+    # the demo (what `make demo` runs) on this pair and its data: each answer streamed, then cold and warm
+    # TTFT side by side, both services stopped cleanly
+    demo = scd("demo", "--pair", "tiny-lora", "--data", str(f / "prompts.jsonl"), "--methods", "oracle,scd",
+               "--max-new-tokens", "4", env=env).stdout
+    assert "--- oracle ---" in demo and "--- scd ---" in demo and "cold TTFT  warm TTFT" in demo, demo
+    assert re.search(r"^scd +\d+ ms +\d+ ms +[\d,]+ +\d+ ms", demo, re.M), demo
+    assert "both services stopped (exit codes [0, 0])" in demo, demo
 
 
 def test_data_file_errors_are_clear(tiny_folders, tmp_path):
