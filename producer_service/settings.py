@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.config import BenchSettings, HTTPSettings, ModelSettings, ServerSettings, ServiceSettings, _Strict
 from shared.rpc.security import SecuritySettings
 
+_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+_GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
+_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
 
 class ConsumerEndpoint(_Strict):
     address: str = Field(..., min_length=3)
-    """host:port of the consumer's gRPC server."""
+    """host:port of the consumer's gRPC server (or a gRPC target with its scheme: dns:, unix:, ...)."""
     artifacts: str | None = None
     """This pair's calibration artifacts folder (e.g. artifacts/store/strong); needed for scd."""
     tokenizer: str | None = None
@@ -22,6 +27,16 @@ class ConsumerEndpoint(_Strict):
     link_mbps: float | None = Field(None, gt=0)
     """The link rate to this consumer that ``auto`` plans for, Mbit/s; default: measured from recent
     transfers (1,000 until one has been seen)."""
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        if v.startswith(_GRPC_SCHEMES):
+            return v
+        m = _HOST_PORT.match(v)
+        if m is None or not 1 <= int(m.group(1)) <= 65535:
+            raise ValueError(f"address {v!r} must be HOST:PORT (port 1-65535), e.g. consumer-strong:50052")
+        return v
 
 
 class ProducerSettings(ServiceSettings):
@@ -60,6 +75,15 @@ class ProducerSettings(ServiceSettings):
     """HTTP request bodies larger than this are refused (413) before they are parsed."""
     security: SecuritySettings = SecuritySettings()
     bench: BenchSettings = BenchSettings()
+
+    @field_validator("consumers")
+    @classmethod
+    def _consumer_names(cls, v: dict) -> dict:
+        bad = [n for n in v if not _CONSUMER_NAME.match(n)]
+        if bad:
+            raise ValueError(f"consumer names {bad} must be 1-63 characters of letters, digits, '.', '_' and '-', "
+                             "starting with a letter or digit (requests name them; a comma fans out)")
+        return v
 
     @model_validator(mode="after")
     def _default_enabled(self):

@@ -78,3 +78,24 @@ def test_bad_settings_say_what_to_fix(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         ConsumerSettings.load(bad)
+
+
+@pytest.mark.parametrize("address", ["consumer-strong:50052", "127.0.0.1:1", "[::1]:50052", "dns:///svc:50052",
+                                     "unix:/run/scd.sock", "scd-consumer-strong.default.svc.cluster.local:65535"])
+def test_consumer_addresses_that_grpc_can_dial_are_taken(address):
+    s = ProducerSettings(model={"path": "/x"}, consumers={"strong": {"address": address}})
+    assert s.consumers["strong"].address == address
+
+
+@pytest.mark.parametrize("consumers, match", [
+    ({"strong": {"address": "nohost"}}, "must be HOST:PORT"),
+    ({"strong": {"address": "127.0.0.1:0"}}, "must be HOST:PORT"),
+    ({"strong": {"address": "127.0.0.1:70000"}}, "must be HOST:PORT"),
+    ({"strong": {"address": "127.0.0.1:5,mild=127.0.0.1:6"}}, "must be HOST:PORT"),
+    ({"": {"address": "127.0.0.1:5"}}, "consumer names"),
+    ({"a,b": {"address": "127.0.0.1:5"}}, "a comma fans out"),
+    ({"has space": {"address": "127.0.0.1:5"}}, "consumer names"),
+])
+def test_bad_consumer_endpoints_are_refused_at_start_up(consumers, match):
+    with pytest.raises(ValueError, match=match):
+        ProducerSettings(model={"path": "/x"}, consumers=consumers)

@@ -148,6 +148,8 @@ def serve_producer(
         if "=" not in c:
             raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
         n, addr = c.split("=", 1)
+        if n in consumers:
+            raise typer.BadParameter(f"--consumer {n!r} is given twice; give each consumer once")
         consumers[n] = {"address": addr}
         e = _registered(n)
         if e is not None:
