@@ -121,7 +121,14 @@ def _prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
 def _chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
     if fmt is None:
         raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids")
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                raise InvalidRequest(f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
+                                     "parts only")
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    if not any(m["content"].strip() for m in msgs):
+        raise InvalidRequest("messages carry no text; send at least one message with non-empty content")
     n = sum(len(m["content"]) for m in msgs)
     if n > max_chars:
         raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}")

@@ -117,6 +117,11 @@ def test_admission_charges_the_declared_payload_before_the_transfer(svc):
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "method": "raw", "method_params": {"bogus": [1]}}'),
     ("/v1/completions", '[1, 2, 3]'),
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "n": 2}'),
+    ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "user"}]}'),
+    ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "system", "content": " "}, '
+                             '{"role": "user", "content": [{"type": "text", "text": ""}]}]}'),
+    ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "user", "content": [{"type": "text", '
+                             '"text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}'),
 ])
 def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
     r = httpx.post(http(svc) + path, headers={**H, "content-type": "application/json"}, content=body.encode(),
