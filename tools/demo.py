@@ -73,8 +73,8 @@ def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_toke
     try:
         procs.append(subprocess.Popen(exe + ["producer", "--port", str(pport), "--consumer",
                                              f"{pair}=127.0.0.1:{cport}", "--set", f"methods={list(methods)}",
-                                             "--set", f"default_method={methods[-1]}",  # keeps recent prefills:
-                                             "--set", f"prefill_cache_entries={2 * len(methods) + 2}"], env=env))
+                                             "--set", f"default_method={methods[-1]}",  # keeps the one prompt's
+                                             "--set", "prefill_cache_entries=1"], env=env))  # prefill for the warm pass
         for addr, p in ((f"127.0.0.1:{cport}", procs[0]), (f"127.0.0.1:{pport}", procs[1])):
             wait_healthy(addr, p)
         question = item.question or (item.prompt if isinstance(item.prompt, str) else item.prompt[-1]["content"])

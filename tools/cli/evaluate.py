@@ -141,12 +141,12 @@ def eval_(
     params: dict[str, dict[str, str]] = {}
     for p in param:
         key, eq, value = p.partition("=")
-        meth, dot, k = key.partition(".")
-        if not (eq and dot and meth.strip() and k.strip()):
+        meth, dot, k = (x.strip() for x in key.partition("."))
+        if not (eq and dot and meth and k):
             raise typer.BadParameter(f"--param takes METHOD.KEY=VALUE (scd.block_tokens=0.35), got {p!r}")
-        if meth.strip() not in names:
-            raise typer.BadParameter(f"--param {p!r}: method {meth.strip()!r} is not in --methods {names}")
-        params.setdefault(meth.strip(), {})[k.strip()] = value
+        if meth not in names:
+            raise typer.BadParameter(f"--param {p!r}: method {meth!r} is not in --methods {names}")
+        params.setdefault(meth, {})[k] = value
     t0 = time.perf_counter()
     check_data(data_file)
     pm = pair_models(pair, device, dtype)

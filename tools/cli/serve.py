@@ -220,12 +220,12 @@ def generate(
         raise typer.BadParameter(str(e)) from None
     for p in param:
         key, eq, value = p.partition("=")
-        if not (eq and key.strip()):
+        key = key.strip()
+        if not (eq and key):
             raise typer.BadParameter(f"--param takes KEY=VALUE (block_tokens=0.35), got {p!r}")
-        if key.strip() in params and params[key.strip()] != value:
-            raise typer.BadParameter(f"--param {p!r} contradicts --method {method}'s {key.strip()}="
-                                     f"{params[key.strip()]}")
-        params[key.strip()] = value
+        if params.get(key, value) != value:
+            raise typer.BadParameter(f"--param {p!r} contradicts --method {method}'s {key}={params[key]}")
+        params[key] = value
 
     def one(name: str, stream_out: bool):
         req = client.request(prompt, name, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
