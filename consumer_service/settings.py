@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config import BenchSettings, HTTPSettings, ModelSettings, ServerSettings, ServiceSettings
+from shared.config import (
+    BenchSettings,
+    HTTPSettings,
+    ModelSettings,
+    ServerSettings,
+    ServiceSettings,
+    check_consumer_names,
+)
 from shared.rpc.security import SecuritySettings
 
 
@@ -16,6 +23,13 @@ class ConsumerSettings(ServiceSettings):
 
     name: str = Field("strong", min_length=1)
     """The consumer's name: what producers and clients address it by."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        check_consumer_names(v)
+        return v
+
     model: ModelSettings
     server: ServerSettings = ServerSettings(port=50052)
     artifact_store: str | None = None

@@ -51,7 +51,9 @@ def _check_text(value, where: str = "body") -> None:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields this server does not use are ignored
+    # OpenAI fields this server does not use are ignored; the ones it uses take their JSON type only
+    # (strict: true is not a max_tokens of 1, nor "yes" a stream flag, as the OpenAI API refuses them)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(..., min_length=1, max_length=256)
     """The consumer's name."""
@@ -81,13 +83,13 @@ class CompletionBody(_Body):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -99,6 +101,24 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(..., min_length=1)
+
+
+def _validation_message(errors) -> str:
+    """One message for a body that does not validate: a body that is not a JSON object (or none)
+    said as such, else each field's complaint."""
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:  # loc: ("body", offset)
+        at = bad_json[0].get("loc", ())[1:2]
+        return (f"the body is not valid JSON{f' (at character {at[0]})' if at else ''}: "
+                f"{bad_json[0].get('ctx', {}).get('error', bad_json[0]['msg'])}; send one JSON object")
+    whole = [e for e in errors if len(e.get("loc", ())) <= 1]
+    if whole:
+        if whole[0].get("type") == "missing":
+            return "the request has no body; send a JSON object (Content-Type: application/json)"
+        return ("the body must be a JSON object with Content-Type: application/json, e.g. "
+                '{"model": "NAME", "prompt": "..."}')
+    msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in errors)
+    return f"invalid request: {msg[:2000]}"
 
 
 def _prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
@@ -228,8 +248,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
-        return error_response(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {msg[:2000]}")
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):  # 404, 405, 413...: OpenAI-style bodies too

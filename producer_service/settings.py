@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config import BenchSettings, HTTPSettings, ModelSettings, ServerSettings, ServiceSettings, _Strict
+from shared.config import (
+    BenchSettings,
+    HTTPSettings,
+    ModelSettings,
+    ServerSettings,
+    ServiceSettings,
+    _Strict,
+    check_consumer_names,
+    check_grpc_target,
+)
 from shared.rpc.security import SecuritySettings
-
-_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
-_GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
-_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 class ConsumerEndpoint(_Strict):
@@ -31,12 +35,7 @@ class ConsumerEndpoint(_Strict):
     @field_validator("address")
     @classmethod
     def _host_port(cls, v: str) -> str:
-        if v.startswith(_GRPC_SCHEMES):
-            return v
-        m = _HOST_PORT.match(v)
-        if m is None or not 1 <= int(m.group(1)) <= 65535:
-            raise ValueError(f"address {v!r} must be HOST:PORT (port 1-65535), e.g. consumer-strong:50052")
-        return v
+        return check_grpc_target(v)
 
 
 class ProducerSettings(ServiceSettings):
@@ -79,10 +78,7 @@ class ProducerSettings(ServiceSettings):
     @field_validator("consumers")
     @classmethod
     def _consumer_names(cls, v: dict) -> dict:
-        bad = [n for n in v if not _CONSUMER_NAME.match(n)]
-        if bad:
-            raise ValueError(f"consumer names {bad} must be 1-63 characters of letters, digits, '.', '_' and '-', "
-                             "starting with a letter or digit (requests name them; a comma fans out)")
+        check_consumer_names(*v)
         return v
 
     @model_validator(mode="after")

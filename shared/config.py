@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,6 +11,36 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.errors import ConfigError
+
+_HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
+_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def field_errors(e: ValidationError) -> list[str]:
+    """pydantic's complaints, one ``field.path: message`` each (its own report adds types and a URL)."""
+    return [f"{'.'.join(str(p) for p in err['loc']) or '(the whole value)'}: {err['msg']}" for err in e.errors()]
+
+
+def check_consumer_names(*names: str) -> None:
+    """ValueError naming every consumer name a request could not address (the producer's
+    ``consumers`` keys and a consumer's own ``name`` follow one rule)."""
+    bad = [n for n in names if not _CONSUMER_NAME.match(n)]
+    if bad:
+        raise ValueError(f"consumer name(s) {', '.join(map(repr, bad))} must be 1-63 characters of letters, digits, "
+                         "'.', '_' and '-', starting with a letter or digit (requests name them; a comma fans out)")
+
+
+def check_grpc_target(address: str, example: str = "consumer-strong:50052") -> str:
+    """``address`` if gRPC can dial it as meant: HOST:PORT with a port 1-65535, or a target with its
+    scheme (``dns:``, ``unix:``, ...); ValueError saying so otherwise (gRPC itself would take a
+    port past 65535 modulo 2**16, and a bare host as port 443)."""
+    if address.startswith(GRPC_SCHEMES):
+        return address
+    m = _HOST_PORT.match(address)
+    if m is None or not 1 <= int(m.group(1)) <= 65535:
+        raise ValueError(f"address {address!r} must be HOST:PORT (port 1-65535), e.g. {example}")
+    return address
 
 
 class _Strict(BaseModel):
@@ -83,6 +114,9 @@ class ServiceSettings(BaseSettings):
                 loaded = yaml.safe_load(Path(file).read_text()) or {}
             except (OSError, yaml.YAMLError) as e:
                 raise ConfigError(f"cannot read settings file {file}: {e}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"settings file {file} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                                  f"{e.start}); save it as UTF-8 YAML") from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"settings file {file} must hold a mapping at the top level")
             _deep_update(data, loaded)
@@ -92,16 +126,16 @@ class ServiceSettings(BaseSettings):
             path = key[len(prefix):].lower().split("__")
             _pop(data, path)
         for item in overrides:
-            if "=" not in item:
+            key, eq, value = item.partition("=")
+            if not eq or not all(part.strip() for part in key.split(".")):
                 raise ConfigError(f"override {item!r} must look like a.b=value")
-            key, value = item.split("=", 1)
             _set(data, key.split("."), yaml.safe_load(value) if value else value)
         _deep_update(data, kw)
         try:
             return cls(**data)
         except ValidationError as e:
-            lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-            raise ConfigError(f"invalid {cls.__name__}:\n" + "\n".join(lines)) from None
+            lines = "\n".join(f"  {line}" for line in field_errors(e))
+            raise ConfigError(f"invalid {cls.__name__}:\n{lines}") from None
 
 
 def _pop(d: dict, path: list[str]) -> None:

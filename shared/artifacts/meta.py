@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FORMAT_VERSION = 1
 CODE_KINDS = ("z", "u", "r", "qkv")
@@ -81,3 +81,24 @@ class ArtifactMeta(BaseModel):
 
     files: dict[str, str] = {}
     """File name -> sha256 of every tensor file of the artifact set."""
+
+    @model_validator(mode="after")
+    def _layers_in_range(self) -> "ArtifactMeta":
+        """Every layer named is one of the model's, every block a non-empty run of them, every width
+        positive: a manifest edited by hand (it is not under a hash itself) fails at load, not per
+        request."""
+        n = self.n_layers
+        for name in ("patch_layers", "fallback_layers", "reuse_fallback_layers"):
+            bad = [i for i in getattr(self, name) if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"{name} {bad}: layers are 0..{n - 1}")
+        bad_ranks = {i: r for i, r in self.layer_ranks.items() if not 0 <= i < n or r <= 0}
+        if bad_ranks:
+            raise ValueError(f"layer_ranks {bad_ranks}: layers are 0..{n - 1}, ranks positive")
+        bad_blocks = [list(b) for b in self.patch_blocks if not 0 <= b[0] < b[1] <= n]
+        if bad_blocks:
+            raise ValueError(f"patch_blocks {bad_blocks}: each [a, b) needs 0 <= a < b <= {n}")
+        widths = {k: getattr(self, k) for k in ("n_kv_heads", "head_dim", "hidden_size", "r_k", "r_v", "r_h")}
+        if any(v <= 0 for v in widths.values()) or self.r_kv < 0:
+            raise ValueError(f"widths and ranks must be positive: {widths}, r_kv {self.r_kv}")
+        return self

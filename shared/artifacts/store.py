@@ -13,10 +13,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from shared.artifacts.meta import FORMAT_VERSION, ArtifactMeta
 from shared.artifacts.profiles import PROFILE_FORMAT_VERSION, PROFILES, Profile
+from shared.config import field_errors
 from shared.errors import DataLoss, FingerprintMismatch, NotFound, PreconditionFailed
 
 SIDES = ("producer", "consumer")
@@ -75,11 +77,20 @@ def load_meta(folder: str | Path) -> ArtifactMeta:
     path = folder / "meta.json"
     if not path.exists():
         raise NotFound(f"no artifacts at {folder}: run `scd calibrate --pair {folder.name} --out {folder.parent}`")
-    meta = ArtifactMeta.model_validate_json(path.read_text())
-    if meta.format_version != FORMAT_VERSION:
-        raise PreconditionFailed(f"artifacts at {folder} have format {meta.format_version}; this build reads "
-                                 f"{FORMAT_VERSION}: recalibrate or update the service")
-    return meta
+    raw = path.read_bytes()
+    try:
+        found = json.loads(raw)
+    except ValueError as e:
+        raise DataLoss(f"{path} is not JSON ({e}): restore it or recalibrate the pair") from None
+    if not isinstance(found, dict) or found.get("format_version") != FORMAT_VERSION:
+        version = found.get("format_version") if isinstance(found, dict) else None
+        raise PreconditionFailed(f"artifacts at {folder} have format {version!r}; this build reads {FORMAT_VERSION}: "
+                                 "recalibrate or update the service")
+    try:
+        return ArtifactMeta.model_validate(found)  # its format_version checked above
+    except ValidationError as e:
+        raise PreconditionFailed(f"{path} is not a valid artifact manifest ({field_errors(e)[0]}): restore it or "
+                                 "recalibrate the pair") from None
 
 
 def load(folder: str | Path, side: str, producer_fingerprint: str | None = None,
@@ -151,8 +162,8 @@ def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerpri
     model = PROFILES.get(kind, Profile)
     try:
         body = model.model_validate(found).model_dump()
-    except ValueError as e:
-        raise PreconditionFailed(f"{path} is not a valid {kind} profile ({str(e).splitlines()[0]}...): rerun "
+    except ValidationError as e:
+        raise PreconditionFailed(f"{path} is not a valid {kind} profile ({field_errors(e)[0]}): rerun "
                                  f"`scd calibrate --pair {pair} --method {kind}`") from None
     body["sha256"] = hashlib.sha256(raw).hexdigest()[:16]
     for who, want in (("producer", producer_fingerprint), ("consumer", consumer_fingerprint)):

@@ -3,7 +3,9 @@ weights + tokenizer), optionally with a LoRA adapter folder merged into it at lo
 
 Every check happens before a weight is read, and every refusal names the folder and what to do:
 a missing folder, an unsupported family, pickle-only weights (never unpickled: ``use_safetensors``),
-an adapter without safetensors weights. The weights fingerprint is computed from the stored
+an adapter without safetensors weights or that is not LoRA, a config or weights file that does not
+parse, and a config whose weights are not all stored or not of its shapes (from the safetensors
+headers against the model built on the meta device). The weights fingerprint is computed from the stored
 tensors, so it does not depend on the dtype or device a service loads them in.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +29,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # adapter_config.json fields that say where the adapter came from, not what it computes
 _ADAPTER_META_KEYS = {"base_model_name_or_path", "revision", "inference_mode", "peft_version", "auto_mapping",
                       "task_type"}
+
+
+_HARMLESS_EXTRA = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")  # buffers older saves stored
 
 
 class ModelFolderError(ConfigError):
@@ -44,6 +50,46 @@ def _hint(path: Path) -> str:
 
 def _safetensors(path: Path, stem: str) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if p.name.startswith(stem))
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path`` (a model's or adapter's config); ModelFolderError if it does not parse."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFolderError(f"{what} {path} is not valid JSON ({e}); fix it or save the folder again") from None
+    if not isinstance(obj, dict):
+        raise ModelFolderError(f"{what} {path} must hold a JSON object, not {type(obj).__name__}")
+    return obj
+
+
+@contextmanager
+def open_safetensors(path: Path):
+    """``safe_open`` of a weights file; a file whose header does not parse (truncated, corrupt, not
+    safetensors) is a ModelFolderError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        sf = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ModelFolderError(f"weights file {path} is not a readable safetensors file ({e}); copy or save it "
+                               "again") from None
+    with sf:
+        yield sf
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
+    """Every stored tensor's name and shape, from the safetensors headers (nothing is loaded)."""
+    out: dict[str, list[int]] = {}
+    for f in files:
+        with open_safetensors(f) as sf:
+            out.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    return out
+
+
+def model_shapes(path: str | Path) -> dict[str, list[int]]:
+    """``tensor_shapes`` of a model folder's weight files."""
+    return tensor_shapes(_safetensors(Path(path), "model"))
 
 
 def check_model_folder(path: str | Path, what: str = "model") -> Path:
@@ -69,19 +115,62 @@ def check_model_folder(path: str | Path, what: str = "model") -> Path:
 
 def read_config(path: str | Path, what: str = "model"):
     """The folder's transformers config, after checking the folder and that its family is supported."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     path = check_model_folder(path, what)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_json(path / "config.json", f"{what} config")
     model_type = raw.get("model_type")
-    if not model_type:
+    if not model_type or not isinstance(model_type, str):
         raise ModelFolderError(f"{what} folder {path}: config.json has no model_type")
     check_supported(model_type)
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (StrictDataclassError, ValueError, TypeError, KeyError, OSError) as e:  # transformers validates configs
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
+        raise ModelFolderError(f"{what} folder {path}: config.json is not a valid {model_type} config ({cause}); fix "
+                               "it or save the folder again") from None
+
+
+def check_weights(path: str | Path, config, what: str = "model") -> None:
+    """The folder's safetensors hold every parameter its config calls for, each of the shape the
+    config gives (a model built on the meta device, against the files' headers: nothing is
+    loaded). Otherwise transformers would refuse the load with a report, or initialise missing
+    weights at random and serve them."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    stored = model_shapes(path)
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(config)
+    prefix = f"{empty.base_model_prefix}."
+    if stored and not any(k.startswith(prefix) for k in stored):  # saved from the bare model: no head, no prefix
+        stored = {k if k.startswith("lm_head.") else prefix + k: v for k, v in stored.items()}
+    missing, wrong = [], []
+    params = dict(empty.named_parameters())  # tied weights once, under the name that is stored
+    for name, p in params.items():
+        if name not in stored:
+            missing.append(name)
+        elif list(p.shape) != stored[name]:
+            wrong.append(f"{name} is {stored[name]}, the config gives {list(p.shape)}")
+    every = set(empty.state_dict()) | {n for n, _ in empty.named_buffers()}  # tied names too
+    extra = sorted(n for n in stored if n not in every and not n.endswith(_HARMLESS_EXTRA))
+    if extra:  # e.g. a config that says fewer layers than were saved: a different model, same files
+        raise ModelFolderError(f"{what} folder {path}: {len(extra)} stored weight(s) are not part of the model its "
+                               f"config.json describes (e.g. {extra[0]}); the config and the weights must come from "
+                               "the same save_pretrained")
+    if wrong:
+        raise ModelFolderError(f"{what} folder {path}: {len(wrong)} stored weight(s) do not have the shape its "
+                               f"config.json gives (e.g. {wrong[0]}); the config and the weights must come from the "
+                               "same save_pretrained")
+    if missing:
+        raise ModelFolderError(f"{what} folder {path}: {len(missing)} weight(s) its config.json calls for are not in "
+                               f"its safetensors files (e.g. {missing[0]}); the config and the weights must come from "
+                               "the same save_pretrained")
 
 
 def check_adapter_folder(path: str | Path) -> Path:
-    """A peft adapter folder with safetensors weights; raises ModelFolderError otherwise."""
+    """A peft LoRA adapter folder with safetensors weights; raises ModelFolderError otherwise."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ModelFolderError(f"adapter folder {path} does not exist")
@@ -93,19 +182,30 @@ def check_adapter_folder(path: str | Path) -> Path:
             raise ModelFolderError(f"adapter folder {path} holds only a pickled adapter_model.bin; it is never "
                                    "unpickled here. Save it again with safetensors (peft's default)")
         raise ModelFolderError(f"adapter folder {path} has no adapter_model.safetensors")
+    cfg = read_json(path / "adapter_config.json", "adapter config")
+    kind = cfg.get("peft_type")
+    if not isinstance(kind, str) or kind.upper() != "LORA":
+        got = "no peft_type" if kind is None else f"peft_type {kind!r}"
+        raise ModelFolderError(f"adapter folder {path}: adapter_config.json has {got}; a consumer adapter must be a "
+                               "peft LoRA adapter (peft_type \"LORA\", as LoraConfig saves it)")
+    tensor_shapes([path / "adapter_model.safetensors"])  # its header parses
     return path
 
 
 def _hash_tensors(h, files: list[Path]) -> None:
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     named = []
     for f in files:
-        with safe_open(f, framework="pt") as sf:
+        with open_safetensors(f) as sf:
             named += [(k, f) for k in sf.keys()]
     for name, f in sorted(named):
-        with safe_open(f, framework="pt") as sf:
-            t = sf.get_tensor(name)
+        with open_safetensors(f) as sf:
+            try:
+                t = sf.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise ModelFolderError(f"weights file {f}: tensor {name} does not read ({e}); copy or save the file "
+                                       "again") from None
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
@@ -118,11 +218,17 @@ def folder_fingerprint(path: str | Path, adapter: str | Path | None = None) -> s
     _hash_tensors(h, _safetensors(Path(path), "model"))
     if adapter is not None:
         adapter = Path(adapter)
-        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        cfg = read_json(adapter / "adapter_config.json", "adapter config")
         h.update(b"|adapter|")
         h.update(json.dumps({k: v for k, v in cfg.items() if k not in _ADAPTER_META_KEYS}, sort_keys=True).encode())
         _hash_tensors(h, [adapter / "adapter_model.safetensors"])
     return h.hexdigest()[:16]
+
+
+def _last_line(e: BaseException) -> str:
+    """transformers' errors end with the sentence that says what failed (a report comes before it)."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -155,15 +261,26 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
 
     path = Path(path).expanduser()
     dev = check_device(device)
-    read_config(path)
+    check_weights(path, read_config(path))
     if adapter is not None:
         adapter = check_adapter_folder(adapter)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    except (SafetensorError, OSError) as e:  # a weights file that changed since it was checked
+        raise ModelFolderError(f"model folder {path}: the weights do not load ({e}); copy or save them again") from None
+    except RuntimeError as e:  # transformers refuses weights whose shapes the config does not give
+        raise ModelFolderError(f"model folder {path}: its weights do not match its config.json ({_last_line(e)}); "
+                               "the config and the weights must come from the same save_pretrained") from None
     if adapter is not None:
         from peft import PeftModel
 
         try:
             model = PeftModel.from_pretrained(model, adapter, use_safetensors=True).merge_and_unload()
+        except (SafetensorError, OSError) as e:
+            raise ModelFolderError(f"adapter {adapter}: its weights do not load ({e}); copy or save them "
+                                   "again") from None
         except (ValueError, KeyError, RuntimeError) as e:
             raise ModelFolderError(f"adapter {adapter} does not fit the model in {path}: {e}") from None
     model = model.to(dev).eval()  # type: ignore[arg-type]  # transformers' typed wrapper

@@ -116,6 +116,10 @@ def test_admission_charges_the_declared_payload_before_the_transfer(svc):
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "method": "raw", "method_params": {"dtype": 5}}'),
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "method": "raw", "method_params": {"bogus": [1]}}'),
     ("/v1/completions", '[1, 2, 3]'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "max_tokens": true}'),  # not 1
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "stream": "yes"}'),
+    ("/v1/completions", '{"model": "chat", "prompt": "hi there", "temperature": "0.5"}'),
+    ("/v1/completions", '{"model": "chat", "prompt": [5, true]}'),
     ("/v1/completions", '{"model": "chat", "prompt": "hi there", "n": 2}'),
     ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "user"}]}'),
     ("/v1/chat/completions", '{"model": "chat", "messages": [{"role": "system", "content": " "}, '
@@ -129,6 +133,18 @@ def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     err = r.json()["error"]
     assert err["message"] and err["type"] and len(r.text) < 4000
+
+
+@pytest.mark.parametrize("content_type,body,said", [
+    ("application/json", b"", "the request has no body"),
+    ("application/json", b"null", "the body must be a JSON object"),
+    ("text/plain", b'{"model": "chat", "prompt": "hi there"}', "the body must be a JSON object with Content-Type"),
+    ("application/json", b'{"model": "chat", "prompt": "hi there"} {}', "the body is not valid JSON (at character"),
+])
+def test_a_body_that_is_not_one_json_object_is_told_so(svc, content_type, body, said):
+    r = httpx.post(http(svc) + "/v1/completions", headers={**H, "content-type": content_type}, content=body,
+                   timeout=60)
+    assert r.status_code == 400 and said in r.json()["error"]["message"], r.text[:300]
 
 
 def test_method_params_may_be_json_values(svc):

@@ -7,7 +7,7 @@ import torch
 
 from shared.artifacts import store
 from shared.artifacts.meta import ArtifactMeta
-from shared.errors import DataLoss, FingerprintMismatch, NotFound
+from shared.errors import DataLoss, FingerprintMismatch, NotFound, PreconditionFailed
 from tools.calibration.selection import greedy, restore_one
 
 
@@ -32,6 +32,37 @@ def test_artifacts_round_trip_and_tamper_refused(tmp_path):
         store.load(folder, "consumer")
     with pytest.raises(NotFound, match="scd calibrate"):
         store.load(tmp_path / "missing", "producer")
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    (lambda m: "{ not json", DataLoss, "is not JSON"),
+    (lambda m: "[]", PreconditionFailed, "format None"),
+    (lambda m: {**m, "format_version": 9}, PreconditionFailed, "format 9; this build reads 1"),
+    (lambda m: {k: v for k, v in m.items() if k != "pair"}, PreconditionFailed,
+     r"not a valid artifact manifest \(pair:"),
+    (lambda m: {**m, "r_k": "wide"}, PreconditionFailed, "r_k: Input should be a valid integer"),
+    (lambda m: {**m, "patch_layers": [1, 7]}, PreconditionFailed, r"patch_layers \[7\]: layers are 0..1"),
+    (lambda m: {**m, "patch_blocks": [[1, 5]]}, PreconditionFailed, r"patch_blocks \[\[1, 5\]\]"),
+    (lambda m: {**m, "fallback_layers": [-1]}, PreconditionFailed, "fallback_layers"),
+    (lambda m: {**m, "layer_ranks": {"0": 0}}, PreconditionFailed, "layer_ranks"),
+    (lambda m: {**m, "r_h": 0}, PreconditionFailed, "must be positive"),
+])
+def test_a_broken_or_edited_manifest_is_refused_at_load(tmp_path, edit, error, match):
+    """meta.json is not under a hash of its own (it holds the others'): a manifest that does not
+    parse, is of another format, or names layers the model does not have is refused at load with
+    what to do, not a traceback or a failure per request."""
+    folder = store.save(tmp_path, _meta(), {"a": torch.ones(1)}, {"b": torch.ones(1)})
+    path = folder / "meta.json"
+    body = edit(json.loads(path.read_text()))
+    path.write_text(body if isinstance(body, str) else json.dumps(body))
+    with pytest.raises(error, match=match):
+        store.load(folder, "consumer")
+
+
+def test_an_invalid_profile_names_the_field(tmp_path):
+    store.save_profile(tmp_path, "p", "droidspeak", {"blocks": "not a list"}, "pf", "cf")
+    with pytest.raises(PreconditionFailed, match=r"not a valid droidspeak profile \(blocks: Input should be a valid"):
+        store.load_profile(tmp_path, "p", "droidspeak")
 
 
 def test_rewrite_is_atomic_and_leaves_no_temp(tmp_path):

@@ -19,12 +19,20 @@ def test_a_setting_without_key_or_value_is_refused_with_an_example(bad):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--tokens", "1.5"], "--tokens takes comma-separated whole numbers"),
-    (["--tokens", "500,x"], "--tokens takes comma-separated whole numbers"),
-    (["--bandwidths", "fast"], "expected comma-separated numbers"),
+    (["--tokens", "1.5"], "--tokens takes comma-separated positive whole numbers"),
+    (["--tokens", "500,x"], "--tokens takes comma-separated positive whole numbers"),
+    (["--tokens", "0"], "--tokens takes comma-separated positive whole numbers"),
+    (["--tokens", ""], "--tokens takes comma-separated positive whole numbers"),  # not the default grid
+    (["--bandwidths", "fast"], "--bandwidths takes comma-separated positive numbers"),
+    (["--bandwidths", ""], "--bandwidths takes comma-separated positive numbers"),
+    (["--bandwidths", "nan"], "--bandwidths takes comma-separated positive numbers"),
+    (["--bandwidths", "-5"], "--bandwidths takes comma-separated positive numbers"),
     (["--methods", ","], "--methods needs at least one name"),
+    (["--methods", ""], "--methods needs at least one name"),
     (["--fleet", "--pairs", " "], "--pairs needs at least one name"),
-    (["--fleet", "--tokens", "1.5"], "--tokens a whole number"),
+    (["--fleet", "--pairs", ""], "--pairs needs at least one name"),
+    (["--fleet", "--tokens", "1.5"], "--tokens takes comma-separated positive whole numbers"),
+    (["--fleet", "--bandwidths", "100,1000"], "--bandwidths takes one value with --fleet"),
 ])
 def test_bench_options_are_refused_before_anything_starts(args, match):
     from typer.testing import CliRunner

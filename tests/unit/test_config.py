@@ -74,10 +74,18 @@ def test_bad_settings_say_what_to_fix(tmp_path):
         ProducerSettings.load(overrides=["model.path=/x", "default_method=magic"])
     with pytest.raises(ConfigError, match=r"a.b=value"):
         ProducerSettings.load(overrides=["nonsense"])
+    for override in ("=3", "a..b=1", ".x=1", " =1"):
+        with pytest.raises(ConfigError, match=r"a.b=value"):
+            ProducerSettings.load(overrides=[override])
     bad = tmp_path / "s.yaml"
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         ConsumerSettings.load(bad)
+    bad.write_bytes(b"max_queue: 3\n\xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff at offset 13\)"):
+        ConsumerSettings.load(bad)
+    with pytest.raises(ConfigError, match="cannot read settings file"):
+        ConsumerSettings.load(tmp_path)
 
 
 @pytest.mark.parametrize("address", ["consumer-strong:50052", "127.0.0.1:1", "[::1]:50052", "dns:///svc:50052",
@@ -92,9 +100,9 @@ def test_consumer_addresses_that_grpc_can_dial_are_taken(address):
     ({"strong": {"address": "127.0.0.1:0"}}, "must be HOST:PORT"),
     ({"strong": {"address": "127.0.0.1:70000"}}, "must be HOST:PORT"),
     ({"strong": {"address": "127.0.0.1:5,mild=127.0.0.1:6"}}, "must be HOST:PORT"),
-    ({"": {"address": "127.0.0.1:5"}}, "consumer names"),
+    ({"": {"address": "127.0.0.1:5"}}, "consumer name"),
     ({"a,b": {"address": "127.0.0.1:5"}}, "a comma fans out"),
-    ({"has space": {"address": "127.0.0.1:5"}}, "consumer names"),
+    ({"has space": {"address": "127.0.0.1:5"}}, "consumer name"),
 ])
 def test_bad_consumer_endpoints_are_refused_at_start_up(consumers, match):
     with pytest.raises(ValueError, match=match):

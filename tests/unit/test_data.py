@@ -69,6 +69,35 @@ def test_operator_prompts_file(tmp_path, tokenizer):
         user.load(f, fmt)
 
 
+@pytest.mark.parametrize("content,match", [
+    (b'{"prompt": "fine"}\n\xff\xfe binary\n', r"p.jsonl:2: not UTF-8 text \(byte 0xff at offset 19\)"),
+    (b"", "no prompts found"),
+    (b'{"prompt": "a", "extra": 1}\n', "p.jsonl:1: unknown fields"),
+    (b'{"prompt": "broken\n', "p.jsonl:1: looks like JSON but does not parse"),
+    (b'{"prompt": "  "}\n', "p.jsonl:1: empty prompt"),
+])
+def test_an_unusable_prompts_file_is_refused_with_its_line(tmp_path, tokenizer, content, match):
+    from shared.model.prompt import PromptFormat
+    from tools.data import user
+
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(content)
+    with pytest.raises(user.DataFileError, match=match):
+        user.load(f, PromptFormat(tokenizer))
+
+
+def test_a_prompts_path_that_is_a_folder_or_starts_with_a_bom(tmp_path, tokenizer):
+    from shared.model.prompt import PromptFormat
+    from tools.data import user
+
+    fmt = PromptFormat(tokenizer)
+    with pytest.raises(user.DataFileError, match="is a folder; give a JSONL or text file"):
+        user.load(tmp_path, fmt)
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes('\ufeff{"prompt": "What is 2+2?"}\n'.encode())  # as some editors save UTF-8
+    assert user.load(f, fmt)[0].prompt == "What is 2+2?"
+
+
 def test_heldout_domain_is_windows_of_license_text_never_in_the_splits(tmp_path, tokenizer):
     from shared.model.prompt import PromptFormat
 

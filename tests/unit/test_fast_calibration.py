@@ -123,6 +123,8 @@ def test_which_search_scd_calibrate_runs(tiny_pair, tmp_path, search, own, peer,
             (tmp_path / name / "meta.json").write_text(json.dumps({"producer_fingerprint": fp}))
     (tmp_path / "stranger").mkdir()
     (tmp_path / "stranger" / "meta.json").write_text(json.dumps({"producer_fingerprint": "other"}))
+    (tmp_path / "broken").mkdir()  # another pair's damaged manifest is not this calibration's problem
+    (tmp_path / "broken" / "meta.json").write_text("{ cut short")
     cal, val = _prompts(24)
     pm = SimpleNamespace(producer=producer)
     assert _fast(pm, tmp_path, "new", cal, val, _cfg(search=search, pair="new")) is expect

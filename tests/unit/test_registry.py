@@ -148,6 +148,98 @@ def test_pickle_only_adapter_is_refused(home, folders, tmp_path):
         registry.add("bad", folders["producer"], adapter=bad)
 
 
+def _damaged(folders, root, kind, damage):
+    """A copy of the producer folder (``kind`` "model") or of the adapter folder, with ``damage``
+    applied to it."""
+    import shutil
+
+    src = folders["producer" if kind == "model" else "adapter"]
+    dst = root / f"{kind}-{damage}"
+    shutil.copytree(src, dst)
+    weights = dst / ("model.safetensors" if kind == "model" else "adapter_model.safetensors")
+    config = dst / ("config.json" if kind == "model" else "adapter_config.json")
+    if damage == "garbage weights":
+        weights.write_bytes(b"\x00" * 64)
+    elif damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    elif damage == "config not json":
+        config.write_text("{ not json")
+    elif damage == "config a list":
+        config.write_text("[]")
+    elif damage == "head not saved":  # an untied model saved without its output projection
+        from safetensors.torch import load_file, save_file
+
+        save_file({k: v for k, v in load_file(str(weights)).items() if not k.startswith("lm_head.")}, str(weights),
+                  metadata={"format": "pt"})
+    else:
+        cfg = json.loads(config.read_text())
+        edit = {"config invalid": {"hidden_size": 30},  # not a multiple of the head count
+                "config a string width": {"hidden_size": "wide"},
+                "more layers than saved": {"num_hidden_layers": 3},
+                "fewer layers than saved": {"num_hidden_layers": 1},
+                "other widths than saved": {"intermediate_size": 48},
+                "not lora": {"peft_type": "IA3"}, "no peft type": {"peft_type": None}}[damage]
+        cfg.update(edit)
+        config.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return dst
+
+
+@pytest.mark.parametrize("kind,damage,match", [
+    ("model", "garbage weights", "model.safetensors is not a readable safetensors file"),
+    ("model", "truncated weights", "model.safetensors is not a readable safetensors file"),
+    ("model", "config not json", "config.json is not valid JSON"),
+    ("model", "config a list", "config.json must hold a JSON object"),
+    ("model", "config invalid", "config.json is not a valid llama config .*hidden size"),
+    ("model", "config a string width", "config.json is not a valid llama config .*hidden_size"),
+    ("model", "more layers than saved", "weight.* its config.json calls for are not in its safetensors .*layers.2"),
+    ("model", "fewer layers than saved", "not part of the model its config.json describes .*layers.1"),
+    ("model", "other widths than saved", "do not have the shape its config.json gives .*mlp"),
+    ("model", "head not saved", "are not in its safetensors files .*lm_head.weight"),
+    ("adapter", "garbage weights", "adapter_model.safetensors is not a readable safetensors file"),
+    ("adapter", "config not json", "adapter_config.json is not valid JSON"),
+    ("adapter", "not lora", "peft_type 'IA3'.*LoRA"),
+    ("adapter", "no peft type", "no peft_type.*LoRA"),
+])
+def test_damaged_folders_are_refused_at_registration_and_at_load(home, folders, tmp_path, kind, damage, match):
+    """A folder whose files do not parse, or whose config and weights disagree, is refused with what
+    is wrong and in which file, when it is registered (as either side) and when it is loaded (damage
+    done after registration): never a traceback, never a model with weights initialised at random."""
+    from shared.model.loading import load_model
+
+    bad = _damaged(folders, tmp_path, kind, damage)
+    sides = ([dict(producer=bad, consumer=folders["consumer"]), dict(producer=folders["producer"], consumer=bad)]
+             if kind == "model" else [dict(producer=folders["producer"], adapter=bad)])
+    for side in sides:
+        with pytest.raises(SCDError, match=match):
+            registry.add("bad", side["producer"], side.get("consumer"), side.get("adapter"))
+    assert registry.names() == []
+    with pytest.raises(SCDError, match=match):
+        load_model(bad, adapter=None) if kind == "model" else load_model(folders["producer"], adapter=bad)
+
+
+def test_an_adapter_without_lora_tensors_is_refused(home, folders, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "empty_adapter"
+    shutil.copytree(folders["adapter"], bad)
+    save_file({"something.weight": torch.zeros(2)}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(SCDError, match="holds no LoRA tensors"):
+        registry.add("bad", folders["producer"], adapter=bad)
+
+
+def test_a_consumer_whose_weights_differ_in_shape_is_refused(home, folders, tmp_path):
+    """Configs that agree on the layout fields, over weights that do not (a narrower MLP)."""
+    narrow = tiny_config("llama", n_layers=2)
+    narrow.intermediate_size = 40
+    from transformers import AutoModelForCausalLM
+
+    other = save_pretrained(AutoModelForCausalLM.from_config(narrow), tmp_path / "narrow", tiny_tokenizer())
+    with pytest.raises(SCDError, match="consumer tensor .*mlp.* has shape"):
+        registry.add("bad", folders["producer"], other)
+
+
 def test_names_and_duplicates(home, folders):
     with pytest.raises(SCDError, match="pair name 'Bad Name'"):
         registry.add("Bad Name", folders["producer"], folders["consumer"])
@@ -172,6 +264,23 @@ def test_cli_pair_commands(home, folders):
     assert res.exit_code == 2 and "unknown pair 'nope'" in res.output
     res = r.invoke(app, ["calibrate", "--pair", "nope"])
     assert res.exit_code == 2 and "scd pair add" in res.output
+
+
+def test_pair_show_and_list_name_an_unreadable_artifact_instead_of_failing(home, folders):
+    e = registry.add("shown", folders["producer"], folders["consumer"])
+    store_dir = e.store_dir()
+    (store_dir / "shown").mkdir(parents=True)
+    (store_dir / "shown" / "meta.json").write_text("{ cut short")
+    (store_dir / "shown.ridge.json").write_text("[1, 2]")
+    (store_dir / "shown.spectrum.json").write_text(json.dumps({"producer_fingerprint": e.producer_fingerprint,
+                                                               "consumer_fingerprint": e.consumer_fingerprint}))
+    r = CliRunner()
+    res = r.invoke(app, ["pair", "show", "shown"])
+    assert res.exit_code == 0, res.output
+    lines = {ln.split()[0]: ln for ln in res.output.splitlines() if ln.startswith("  ")}
+    assert "UNREADABLE" in lines["scd"] and "UNREADABLE" in lines["ridge"] and "pinned" in lines["spectrum"]
+    res = r.invoke(app, ["pair", "list"])
+    assert res.exit_code == 0 and "shown" in res.output
 
 
 def test_builtin_pairs_use_the_running_checkouts_store(home, folders, monkeypatch):
@@ -240,3 +349,56 @@ def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
 def test_generate_refuses_bad_options_before_it_connects(args, match):
     res = CliRunner().invoke(app, ["generate", "--producer", "127.0.0.1:1", "hi", *args])
     assert res.exit_code == 2 and match in said(res), res.output
+
+
+@pytest.mark.parametrize("producer", ["127.0.0.1:99999", "127.0.0.1:0", "producer-host", "", ":50051", "a b:1"])
+def test_generate_refuses_a_producer_address_grpc_would_misread(producer):
+    """gRPC would dial port 99999 as 34463 and a bare host on 443: refused before it connects."""
+    res = CliRunner().invoke(app, ["generate", "--producer", producer, "hi"])
+    assert res.exit_code == 2 and "must be HOST:PORT (port 1-65535)" in said(res), res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["consumer", "--adapter", "/some/adapter"], "--adapter is merged into --model"),
+    (["consumer", "--model", "/m", "--name", ""], "name: String should have at least 1 character"),
+    (["consumer", "--model", "/m", "--name", "a,b"], "consumer name(s) 'a,b' must be 1-63 characters"),
+])
+def test_serve_refuses_options_it_would_drop_or_misroute_before_loading(home, args, match):
+    """An adapter given beside a pair was dropped silently, and a consumer name no request can
+    address was taken."""
+    res = CliRunner().invoke(app, ["serve", *args])
+    assert res.exit_code != 0 and match in said(res), res.output
+
+
+def test_an_unwritable_home_is_named_with_what_to_set(home, folders, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("SCD_PAIRS", str(blocker / "pairs.json"))
+    with pytest.raises(SCDError, match="cannot write the pair registry .*set SCD_HOME"):
+        registry.add("mine", folders["producer"], folders["consumer"])
+    monkeypatch.setenv("SCD_HOME", str(blocker))
+    res = CliRunner().invoke(app, ["assets"])
+    assert res.exit_code == 2 and "set SCD_HOME to a writable folder" in said(res), res.output
+
+
+@pytest.mark.parametrize("command", [["eval", "--pair", "nope", "--json"], ["bench", "--quick", "--json"],
+                                     ["bench", "--quick", "--png"], ["drift", "--pair", "nope", "--json"],
+                                     ["calibrate", "--pair", "nope", "--out"]])
+def test_outputs_are_checked_before_the_work_that_fills_them(home, tmp_path, command):
+    """An evaluation or benchmark can run for an hour: an output it cannot write is refused first."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    res = CliRunner().invoke(app, [*command, str(blocker / "out")])
+    assert res.exit_code == 2 and "cannot be written" in said(res), res.output
+    if command[-1] != "--out":
+        res = CliRunner().invoke(app, [*command, str(tmp_path)])
+        assert res.exit_code == 2 and "is a folder; give a file name" in said(res), res.output
+
+
+@pytest.mark.parametrize("setting, said_", [("bogus=1", "--set bogus: Extra inputs are not permitted"),
+                                            ("r_kv=-1", "--set r_kv: Input should be greater than or equal to 1"),
+                                            ("tolerance=abc", "--set tolerance: Input should be a valid number")])
+def test_calibration_settings_are_refused_one_line_each_before_any_model_loads(home, setting, said_):
+    res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--set", setting])
+    assert res.exit_code == 2 and "invalid calibration settings:" in res.output and said_ in res.output, res.output
+    assert "errors.pydantic.dev" not in res.output

@@ -122,8 +122,13 @@ def load() -> Registry:
 def _locked():
     """Read-modify-write under an exclusive lock; the file is replaced atomically."""
     path = registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "w")
+    except OSError as e:
+        raise RegistryError(f"cannot write the pair registry {path}: {e.strerror or e}; set SCD_HOME (or SCD_PAIRS) "
+                            "to a writable place") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         reg = load()
         yield reg
@@ -168,28 +173,46 @@ def _layout(cfg) -> dict[str, int]:
 
 
 def _check_adapter_fits(adapter: Path, producer: Path) -> None:
-    """Every LoRA tensor targets a weight the producer has, with matching widths (read from the
-    safetensors headers: nothing is loaded)."""
-    from safetensors import safe_open
+    """Every LoRA tensor targets a weight the producer has, with matching widths, and there is at
+    least one (read from the safetensors headers: nothing is loaded)."""
+    from shared.model.loading import model_shapes, tensor_shapes
 
-    base: dict[str, list[int]] = {}
-    for f in sorted(producer.glob("model*.safetensors")):
-        with safe_open(f, framework="pt") as sf:
-            base.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
-    with safe_open(adapter / "adapter_model.safetensors", framework="pt") as sf:
-        for k in sf.keys():
-            m = re.match(r"^(?:base_model\.model\.)?(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", k)
-            if not m:
+    base = model_shapes(producer)
+    lora = 0
+    for k, shape in tensor_shapes([adapter / "adapter_model.safetensors"]).items():
+        m = re.match(r"^(?:base_model\.model\.)?(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", k)
+        if not m:
+            continue
+        lora += 1
+        target = m.group(1) + ".weight"
+        if target not in base:
+            raise RegistryError(f"adapter {adapter} targets {m.group(1)!r}, which the producer in {producer} does "
+                                "not have: the adapter was trained on another base model")
+        out_f, in_f = base[target][0], base[target][-1]
+        if (m.group(2) == "A" and shape[-1] != in_f) or (m.group(2) == "B" and shape[0] != out_f):
+            raise RegistryError(f"adapter {adapter} tensor {k} has shape {shape}, which does not fit "
+                                f"{target} {base[target]} of the producer: another base model")
+    if not lora:
+        raise RegistryError(f"adapter {adapter} holds no LoRA tensors (names ending in lora_A/lora_B.weight): "
+                            "give a peft LoRA adapter saved with PeftModel.save_pretrained")
+
+
+def _check_weights_match(producer: Path, consumer: Path, tied: bool) -> None:
+    """The consumer's stored weights have the producer's tensors, each of the same shape (headers
+    only): a config that agrees over weights that do not (pruned, resized, another model) is
+    refused here, not at load."""
+    from shared.model.loading import model_shapes
+
+    p, c = model_shapes(producer), model_shapes(consumer)
+    for name, shape in sorted(p.items()):
+        if name not in c:
+            if tied and name == "lm_head.weight":  # stored once, in the embedding, by either side
                 continue
-            target = m.group(1) + ".weight"
-            if target not in base:
-                raise RegistryError(f"adapter {adapter} targets {m.group(1)!r}, which the producer in {producer} does "
-                                    "not have: the adapter was trained on another base model")
-            shape = list(sf.get_slice(k).get_shape())
-            out_f, in_f = base[target][0], base[target][-1]
-            if (m.group(2) == "A" and shape[-1] != in_f) or (m.group(2) == "B" and shape[0] != out_f):
-                raise RegistryError(f"adapter {adapter} tensor {k} has shape {shape}, which does not fit "
-                                    f"{target} {base[target]} of the producer: another base model")
+            raise RegistryError(f"consumer weights in {consumer} have no tensor {name!r}, which the producer's "
+                                "have: a pair is a base model and a full fine-tune of it (or give --consumer-adapter)")
+        if c[name] != shape:
+            raise RegistryError(f"consumer tensor {name!r} has shape {c[name]}, the producer's {shape}: a pair must "
+                                "share the architecture")
 
 
 def _vocab_difference(a, b) -> str | None:
@@ -211,15 +234,17 @@ def check_pair(producer: str | Path, consumer: str | Path | None = None,
                adapter: str | Path | None = None) -> dict:
     """Check a would-be pair without loading weights. Returns the layout and the tokenizer folder;
     raises RegistryError (or ModelFolderError/UnsupportedModel) naming the first problem."""
-    from shared.model.loading import check_adapter_folder, has_tokenizer, load_tokenizer, read_config
+    from shared.model.loading import check_adapter_folder, check_weights, has_tokenizer, load_tokenizer, read_config
 
     if (consumer is None) == (adapter is None):
         raise RegistryError("give the consumer as exactly one of --consumer DIR or --consumer-adapter DIR")
     producer = Path(producer).expanduser().resolve()
     pcfg = read_config(producer, "producer")
+    check_weights(producer, pcfg, "producer")
     if consumer is not None:
         consumer = Path(consumer).expanduser().resolve()
         ccfg = read_config(consumer, "consumer")
+        check_weights(consumer, ccfg, "consumer")
         if ccfg.model_type != pcfg.model_type:
             raise RegistryError(f"architecture family differs: producer {pcfg.model_type!r}, consumer "
                                 f"{ccfg.model_type!r}; a pair is a base model and a fine-tune of it")
@@ -228,6 +253,7 @@ def check_pair(producer: str | Path, consumer: str | Path | None = None,
             if pl[key] != cl[key]:
                 raise RegistryError(f"{label} differs: producer {pl[key]}, consumer {cl[key]} (config.json {key}); a "
                                     "pair must share the architecture")
+        _check_weights_match(producer, consumer, bool(getattr(ccfg, "tie_word_embeddings", False)))
     else:
         adapter = check_adapter_folder(Path(adapter).expanduser().resolve())
         _check_adapter_fits(adapter, producer)
@@ -293,6 +319,15 @@ def add(name: str, producer: str | Path, consumer: str | Path | None = None, ada
     return entry
 
 
+def json_object(path: Path) -> dict | None:
+    """A stored JSON object, or None when the file does not read as one (to report, not to fail on)."""
+    try:
+        body = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
     """What the store holds for the pair: SCD artifacts and each baseline's profile, and whether
     each is pinned to the registered weights."""
@@ -300,14 +335,17 @@ def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
     out: dict = {}
     meta = store / entry.name / "meta.json"
     if meta.exists():
-        m = json.loads(meta.read_text())
-        out["scd"] = {"path": str(meta.parent), "patch_layers": m.get("patch_layers"),
-                      "patch_blocks": m.get("patch_blocks"),
-                      "pinned": m.get("producer_fingerprint") == entry.producer_fingerprint and
-                      m.get("consumer_fingerprint") == entry.consumer_fingerprint}
+        m = json_object(meta)
+        out["scd"] = {"path": str(meta.parent), "pinned": False, "unreadable": True} if m is None else {
+            "path": str(meta.parent), "patch_layers": m.get("patch_layers"), "patch_blocks": m.get("patch_blocks"),
+            "pinned": m.get("producer_fingerprint") == entry.producer_fingerprint and
+            m.get("consumer_fingerprint") == entry.consumer_fingerprint}
     for f in sorted(store.glob(f"{entry.name}.*.json")):
         kind = f.name[len(entry.name) + 1: -len(".json")]
-        body = json.loads(f.read_text())
+        body = json_object(f)
+        if body is None:
+            out[kind] = {"path": str(f), "pinned": False, "unreadable": True}
+            continue
         out[kind] = {"path": str(f), "pinned": body.get("producer_fingerprint") == entry.producer_fingerprint and
                      body.get("consumer_fingerprint") == entry.consumer_fingerprint}
     return out

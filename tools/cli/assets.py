@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, setup_logging
+from tools.cli.common import fail, output_dir, setup_logging
 
 
 @app.command()
@@ -46,6 +46,9 @@ def assets(
                 fn()
     except SCDError as e:
         fail(str(e))
+    except OSError as e:  # a home that cannot be written: a read-only mount, a file in its place, a full disk
+        fail(f"cannot prepare the assets under {scd_home()}: {e.strerror or e} ({e.filename or scd_home()}); set "
+             "SCD_HOME to a writable folder with a few GB free")
 
     if store is not None:
         from tools.assets.shared_store import publish
@@ -79,7 +82,8 @@ def _exclusive(path: Path):
 @app.command("train-adapter")
 def train_adapter(
     pair: str = typer.Option(..., help="strong | mild | code | verse"),
-    out: Optional[Path] = typer.Option(None, help="Output folder (default: artifacts/adapters/PAIR)."),
+    out: Optional[Path] = typer.Option(None, callback=output_dir,
+                                       help="Output folder (default: artifacts/adapters/PAIR)."),
 ) -> None:
     """Train a built-in consumer's LoRA adapter from the producer (reproduces the committed adapters)."""
     setup_logging(True)

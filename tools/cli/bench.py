@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, name_list, setup_logging
+from tools.cli.common import fail, name_list, output_file, setup_logging
 
 
 @app.command("bench-overlap")
@@ -20,7 +20,7 @@ def bench_overlap(
     methods: str = typer.Option("raw"),
     iters: int = typer.Option(3),
     tiny: bool = typer.Option(False, help="Tiny random models (smoke test)."),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
 ) -> None:
     """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
     from tools.eval import overlap
@@ -34,8 +34,9 @@ def bench_overlap(
 def bench(
     quick: bool = typer.Option(False, help="1 Gbit/s, one ~1,000-token prompt, methods oracle,raw,droidspeak,"
                                            "scd-reuse,scd, 3 repeats."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full results here."),
-    png_out: Optional[Path] = typer.Option(None, "--png", help="TTFT vs link rate plot (default: beside --json)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file, help="Write the full results here."),
+    png_out: Optional[Path] = typer.Option(None, "--png", callback=output_file,
+                                           help="TTFT vs link rate plot (default: beside --json)."),
     methods: Optional[str] = typer.Option(None, help="Comma-separated methods (default: oracle,raw,quant,spectrum,"
                                                      "droidspeak,ridge,scd-reuse,scd)."),
     bandwidths: Optional[str] = typer.Option(None, help="Link rates in Mbit/s, comma-separated "
@@ -70,12 +71,6 @@ def bench(
     from tools.bench.netns import BenchError
     from tools.bench.runner import BenchConfig, run
 
-    def floats(s):
-        try:
-            return tuple(float(x) for x in s.split(",") if x)
-        except ValueError:
-            raise typer.BadParameter(f"expected comma-separated numbers, got {s!r}") from None
-
     if fleet:
         _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device, dtype, json_out, png_out, pairs)
         return
@@ -85,15 +80,12 @@ def bench(
     if quick:
         cfg.methods, cfg.bandwidths_mbit, cfg.tokens, cfg.repeats = (
             ("oracle", "raw", "droidspeak", "scd-reuse", "scd"), (1000.0,), (1000,), 3)
-    if methods:
+    if methods is not None:  # given, even empty: an empty list is refused, not the default grid run
         cfg.methods = name_list(methods)
-    if bandwidths:
-        cfg.bandwidths_mbit = floats(bandwidths)
-    if tokens:
-        try:
-            cfg.tokens = tuple(int(x) for x in tokens.split(",") if x.strip())
-        except ValueError:
-            raise typer.BadParameter(f"--tokens takes comma-separated whole numbers, got {tokens!r}") from None
+    if bandwidths is not None:
+        cfg.bandwidths_mbit = _numbers(bandwidths, "--bandwidths", float)
+    if tokens is not None:
+        cfg.tokens = _numbers(tokens, "--tokens", int)
     if repeats:
         cfg.repeats = repeats
     if threads:
@@ -105,6 +97,21 @@ def bench(
     _emit(res, report, json_out, png_out)
 
 
+def _numbers(value: str, option: str, kind) -> tuple:
+    """A comma-separated option's positive numbers (``kind`` int: whole numbers); empty, zero,
+    negative or non-finite values are refused with the option's name."""
+    import math
+
+    what = "whole numbers" if kind is int else "numbers"
+    try:
+        got = tuple(kind(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option} takes comma-separated positive {what}, got {value!r}") from None
+    if not got or not all(math.isfinite(x) and x > 0 for x in got):
+        raise typer.BadParameter(f"{option} takes comma-separated positive {what}, got {value!r}")
+    return got
+
+
 def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device, dtype, json_out, png_out,
            pairs) -> None:
     from tools.bench import fleet as fl
@@ -113,17 +120,18 @@ def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device
     cfg = fl.FleetConfig(clients=clients, device=device, dtype=dtype, argv=sys.argv[1:])
     if quick:
         cfg.prompts = 3
-    if pairs:
+    if pairs is not None:
         cfg.pairs = name_list(pairs, "--pairs")
-    if methods:
+    if methods is not None:
         cfg.policies = name_list(methods)
-    try:
-        if bandwidths:
-            cfg.link_mbit = float(bandwidths.split(",")[0])
-        if tokens:
-            cfg.tokens = int(tokens.split(",")[0])
-    except ValueError:
-        raise typer.BadParameter("--bandwidths takes a number and --tokens a whole number") from None
+    for option, value, kind, field in (("--bandwidths", bandwidths, float, "link_mbit"),
+                                       ("--tokens", tokens, int, "tokens")):
+        if value is not None:
+            got = _numbers(value, option, kind)
+            if len(got) != 1:
+                raise typer.BadParameter(f"{option} takes one value with --fleet (one link, one prompt length), "
+                                         f"got {value!r}")
+            setattr(cfg, field, got[0])
     if repeats:
         cfg.prompts = repeats
     if threads:
@@ -155,7 +163,7 @@ def soak(
     clients: int = typer.Option(3, min=1, help="Client threads sending at once."),
     max_new_tokens: int = typer.Option(16, min=1),
     seed: int = typer.Option(0),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
 ) -> None:
     """Benchmark: minutes of mixed traffic (every method, HTTP and gRPC, streamed or not, cancellations,
     corrupt frames, a consumer restart) against both services; requests by outcome, TTFT, memory.

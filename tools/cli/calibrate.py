@@ -14,6 +14,7 @@ from tools.cli.common import (
     calibration_prompts,
     check_data,
     fail,
+    output_dir,
     pair_models,
     parse_set,
     setup_logging,
@@ -26,7 +27,8 @@ METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "refine", "fallback
 @app.command()
 def calibrate(
     pair: str = typer.Option("strong", help="A registered pair (scd pair list)."),
-    out: Optional[Path] = typer.Option(None, help="Artifact store directory (default: the pair's store)."),
+    out: Optional[Path] = typer.Option(None, callback=output_dir,
+                                       help="Artifact store directory (default: the pair's store)."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL): the calibration split fits, "
                                                                   "the validation split selects."),
     set_: list[str] = typer.Option([], "--set", help="Calibration setting KEY=VALUE, e.g. r_kv=192 (repeatable)."),
@@ -44,14 +46,14 @@ def calibrate(
     """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store, or
     profile a baseline (--method droidspeak|ridge|spectrum), on the built-in data or your own (--data)."""
     setup_logging(verbose)
-    from tools.calibration.pipeline import CalibrationSettings, data_hash
     from tools.calibration.pipeline import calibrate as run
+    from tools.calibration.pipeline import data_hash
 
     if method not in METHODS:
         raise typer.BadParameter(f"expected one of {sorted(METHODS)}, got {method!r}")
     overrides = parse_set(set_)
     try:
-        cfg = CalibrationSettings(pair=pair, **overrides) if method == "scd" else None
+        cfg = _settings(pair, overrides) if method == "scd" else None
     except ValueError as e:
         fail(str(e))
     n_val = cfg.n_val if cfg else _whole(overrides, "n_val", 24)
@@ -147,6 +149,21 @@ def calibrate(
                            "validation": v, "selected_kl": report["selected_kl"]}))
 
 
+def _settings(pair: str, overrides: dict):
+    """The calibration settings with ``--set`` applied; ValueError listing each bad one on its own
+    line (``--set KEY: what is wrong``), not pydantic's report."""
+    from pydantic import ValidationError
+
+    from shared.config import field_errors
+    from tools.calibration.pipeline import CalibrationSettings
+
+    try:
+        return CalibrationSettings(pair=pair, **overrides)
+    except ValidationError as e:
+        lines = "\n".join(f"  --set {line}" for line in field_errors(e))
+        raise ValueError(f"invalid calibration settings:\n{lines}") from None
+
+
 def _whole(overrides: dict, key: str, default: int) -> int:
     """A count among the --set values: a whole number >= 1, or a usage error naming the flag."""
     v = overrides.get(key, default)
@@ -165,8 +182,11 @@ def _fast(pm, out: Path, pair: str, cal: list, val: list, cfg) -> bool:
         return False
     if cfg.search == "auto":
         fp = weights_fingerprint(pm.producer.model)
+        from tools.assets.registry import json_object
+
+        # another pair's unreadable manifest is its problem, reported when it is loaded, not this calibration's
         peers = [m.parent.name for m in out.glob("*/meta.json")
-                 if m.parent.name != pair and json.loads(m.read_text()).get("producer_fingerprint") == fp]
+                 if m.parent.name != pair and (json_object(m) or {}).get("producer_fingerprint") == fp]
         if (out / pair / "meta.json").exists() or not peers:
             typer.echo("full search (" + ("recalibrating an existing pair" if peers else
                                           "the first pair of this producer") + "; --set search=fast for minutes)",
@@ -219,14 +239,13 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
     from tools.calibration.levels import tune_levels
     from tools.calibration.linalg import fit_entry_map
     from tools.calibration.scoring import Scorer, scd_sides
-    from tools.calibration.settings import CalibrationSettings
     from tools.calibration.spill import SpillDir
 
     allowed = {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
                "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens"}
     if set(overrides) - allowed:
         raise ValueError(f"unknown refine settings {sorted(set(overrides) - allowed)}; refine takes {sorted(allowed)}")
-    cfg = CalibrationSettings(pair=pair, **overrides)
+    cfg = _settings(pair, overrides)
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
     meta, prod = store.load(out / pair, "producer", pfp, cfp)
     _, cons = store.load(out / pair, "consumer", pfp, cfp)
@@ -293,14 +312,13 @@ def _refallback(pm, out: Path, pair: str, val_items: list, val: list, overrides:
     """The fallback layers of scd and scd-reuse selected again on the pair's existing artifacts."""
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration.refallback import MODES, reselect
-    from tools.calibration.settings import CalibrationSettings
 
     allowed = {"n_val", "val_tokens", "fallback_gain", "fallback_bound", "spill_dir", "modes"}
     if set(overrides) - allowed:
         raise ValueError(f"unknown fallback settings {sorted(set(overrides) - allowed)}; fallback takes "
                          f"{sorted(allowed)}")
     modes = str(overrides.pop("modes", " ".join(MODES))).replace(",", " ").split()
-    cfg = CalibrationSettings(pair=pair, **overrides)
+    cfg = _settings(pair, overrides)
     folder, rep = reselect(pm.producer, pm.consumer, out / pair, out, val, [it.kind for it in val_items], cfg, modes,
                            pm.fmt.stop_ids, weights_fingerprint(pm.producer.model),
                            weights_fingerprint(pm.consumer.model))

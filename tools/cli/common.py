@@ -31,6 +31,39 @@ def name_list(value: str, option: str = "--methods") -> tuple[str, ...]:
     return names
 
 
+def output_file(path: Path | None) -> Path | None:
+    """An option's output file, checked before the work that fills it (a benchmark or evaluation can
+    run for an hour): not a folder, its folder made, and writable. Used as a typer callback."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder; give a file name to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        raise typer.BadParameter(f"{path} cannot be written: {e.strerror or e}") from None
+    return path
+
+
+def output_dir(path: Path | None) -> Path | None:
+    """An option's output folder, made and checked writable before the work (``output_file``'s twin)."""
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".scd-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise typer.BadParameter(f"{path} cannot be written: {e.strerror or e}") from None
+    return path
+
+
 def torch_dtype(name: str):
     import torch
 

@@ -16,6 +16,7 @@ from tools.cli.common import (
     fail,
     items,
     name_list,
+    output_file,
     pair_models,
     setup_logging,
     validation_prompts,
@@ -34,7 +35,7 @@ def drift(
     n: int = typer.Option(48, min=1, help="Number of test prompts."),
     native_prefix: str = typer.Option("on", help="on | off: consumer's own K/V for the fixed template prefix."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file, help="Write the results here."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
@@ -67,7 +68,7 @@ def anatomy(
     n_cal: int = typer.Option(64, min=2, help="Calibration prompts for the ridge-map probes."),
     n_val: int = typer.Option(24, min=1, help="Validation prompts scored."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file, help="Write the results here."),
     device: str = typer.Option("cpu"),
     dtype: str = typer.Option("float32"),
 ) -> None:
@@ -103,7 +104,7 @@ def eval_(
                                                        "passages), lm (Wikipedia and Python docs, continuation "
                                                        "scored) or heldout (license texts, a domain calibration "
                                                        "never sees)."),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
     param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
     sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
     answers: bool = typer.Option(True, help="Also decode each method's greedy answer (agreement and task F1); "

@@ -84,8 +84,9 @@ def show(name: str = typer.Argument(...),
     typer.echo("stored" + ("" if have else f"                none in {store or e.store_dir()} (run `scd calibrate "
                                                 f"--pair {name}`)"))
     for kind, info in have.items():
-        typer.echo(f"  {kind:<20}{'pinned to these weights' if info['pinned'] else 'STALE: made for other weights'}"
-                   f"  {info['path']}")
+        state = ("UNREADABLE: not a JSON object (restore it or recalibrate)" if info.get("unreadable") else
+                 "pinned to these weights" if info["pinned"] else "STALE: made for other weights")
+        typer.echo(f"  {kind:<20}{state}  {info['path']}")
 
 
 @pair_app.command("remove")

@@ -69,6 +69,13 @@ def _registered(name: str):
         fail(str(e))
 
 
+def _note_missing_store(store: str | None) -> None:
+    """Not an error: a store may be filled later (raw and oracle need none)."""
+    if store and not Path(store).is_dir():
+        typer.echo(f"note: --store {store} is not a folder (yet): only methods that need no calibration are served",
+                   err=True)
+
+
 def _served_methods(store_dir: Path, name: str) -> list[str]:
     """What a store holds for consumer ``name``: the methods it can serve without more calibration."""
     methods = ["oracle", "raw", "quant"]
@@ -99,6 +106,10 @@ def serve_consumer(
 
     server = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     quick = not config and not set_
+    if adapter and model is None:  # a pair's consumer is already a folder or a folder and its adapter
+        fail("--adapter is merged into --model: give the folder it was trained on with --model (or register the "
+             "pair with `scd pair add NAME --producer DIR --consumer-adapter DIR` and serve --pair NAME)")
+    _note_missing_store(store)
     e = None
     if pair or (quick and model is None):
         pair = pair or name or "strong"
@@ -143,6 +154,7 @@ def serve_producer(
     from producer_service.server import build_server, load_engine
     from producer_service.settings import ProducerSettings
 
+    _note_missing_store(store)
     consumers, producers, offered = {}, set(), ["oracle", "raw", "quant", "scd-reuse", "scd", "auto"]
     for c in consumer:
         if "=" not in c:
@@ -207,8 +219,13 @@ def generate(
     consumers, each one's answer once it is complete)."""
     import grpc
 
+    from shared.config import check_grpc_target
     from tools import client
 
+    try:
+        check_grpc_target(producer, "127.0.0.1:50051")
+    except ValueError as e:
+        raise typer.BadParameter(f"--producer: {e}") from None
     names = [c.strip() for c in consumer.split(",") if c.strip()]
     if not names or len(set(names)) != len(names):
         raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}")

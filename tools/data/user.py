@@ -33,10 +33,21 @@ class DataFileError(ValueError):
 
 
 def _records(path: Path) -> list[tuple[int, dict]]:
+    if path.is_dir():
+        raise DataFileError(f"data path {path} is a folder; give a JSONL or text file")
     if not path.is_file():
         raise DataFileError(f"data file {path} does not exist")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataFileError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save the "
+                            "file as UTF-8 JSONL or plain text") from None
+    if text.startswith("\ufeff"):  # a byte-order mark, as some editors save UTF-8
+        text = text[1:]
     out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8", errors="strict").splitlines()):
+    for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
