@@ -128,7 +128,7 @@ class Timings:
     wire_bytes: int = 0
     """Serialized frame bytes, producer -> consumer."""
     payload_bytes: int = 0
-    """Tensor bytes after lz4."""
+    """Tensor bytes after the wire's compression (zstd by default)."""
     reconstruct_ms: float = 0.0
     """Consumer decode work, all layers."""
     transfer_ms: float = 0.0

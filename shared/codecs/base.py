@@ -101,7 +101,7 @@ class DecodeSession(ABC):
         return self.method.schema(layer, self.job)
 
     def max_transfer_bytes(self) -> int:
-        """The most payload bytes a conforming stream carries for this request (before lz4)."""
+        """The most payload bytes a conforming stream carries for this request (before the wire's compression)."""
         if not self.method.transfers_layers:
             return 0
         return sum(spec.nbytes for layer in range(self.model.n_layers) for spec in self.schema(layer).values())
