@@ -12,10 +12,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
+from pydantic import ValidationError
 
 from consumer_service.admission import AdmissionController
 from consumer_service.settings import ConsumerSettings
 from shared.codecs import CODECS, DecodeJob, DecodeSession, make_method
+from shared.config import field_errors
 from shared.domain import (
     HeaderReceived,
     LayerReceived,
@@ -176,8 +178,8 @@ class ConsumerEngine(Engine):
         try:
             return Sampling(max_new_tokens=n, temperature=sp.temperature, top_p=sp.top_p or 1.0,
                             stop=tuple(sp.stop), seed=sp.seed)
-        except ValueError as e:
-            raise InvalidRequest(f"invalid sampling settings: {e}".replace("\n", "; ")) from None
+        except ValidationError as e:
+            raise InvalidRequest(f"invalid sampling settings: {'; '.join(field_errors(e))}") from None
 
     # ------------------------------------------------------------------ torch work (worker thread)
     def add_layer(self, req: Request, layer: int, tensors) -> None:

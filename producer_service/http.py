@@ -13,157 +13,28 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from producer_service.openai_api import (
+    Body,
+    ChatBody,
+    CompletionBody,
+    chat_ids,
+    prompt_ids,
+    to_request,
+    validation_message,
+)
 from producer_service.servicer import ProducerServicer
-from shared.domain import GenerateRequest, SamplingRequest, TokenEvent
+from shared.domain import TokenEvent
 from shared.errors import InvalidRequest, NotFound, SCDError
 from shared.rpc.errors import status_for
 from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
-
-U32 = 2**32
-TokenId = Annotated[int, Field(ge=0, lt=U32)]
-
-
-def _check_text(value, where: str = "body") -> None:
-    """Every string of the body must be encodable as UTF-8 (a lone surrogate such as "\\ud800"
-    is valid JSON but not text)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where} holds a character that is not valid Unicode text at position {e.start} "
-                             "(a lone surrogate); send UTF-8 text") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_text(k, where)
-            _check_text(v, f"{where}.{k}" if isinstance(k, str) and len(k) < 64 else where)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_text(v, f"{where}[{i}]")
-
-
-class _Body(BaseModel):
-    # OpenAI fields this server does not use are ignored; the ones it uses take their JSON type only
-    # (strict: true is not a max_tokens of 1, nor "yes" a stream flag, as the OpenAI API refuses them)
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str = Field(..., min_length=1, max_length=256)
-    """The consumer's name."""
-    max_tokens: int | None = Field(None, ge=1, lt=U32)
-    max_completion_tokens: int | None = Field(None, ge=1, lt=U32)
-    temperature: float = Field(0.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, allow_inf_nan=False)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1)
-    # SCD extensions
-    method: str = Field("", max_length=64)
-    method_params: dict[str, Any] = {}
-    """Method settings; values that are not strings (numbers, lists) are sent as JSON."""
-    native_prefix: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text(cls, data):
-        _check_text(data)
-        return data
-
-
-class CompletionBody(_Body):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: str
-    text: str | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text or "" for p in self.content if p.type == "text")
-        return self.content or ""
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(..., min_length=1)
-
-
-def _validation_message(errors) -> str:
-    """One message for a body that does not validate: a body that is not a JSON object (or none)
-    said as such, else each field's complaint."""
-    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
-    if bad_json:  # loc: ("body", offset)
-        at = bad_json[0].get("loc", ())[1:2]
-        return (f"the body is not valid JSON{f' (at character {at[0]})' if at else ''}: "
-                f"{bad_json[0].get('ctx', {}).get('error', bad_json[0]['msg'])}; send one JSON object")
-    whole = [e for e in errors if len(e.get("loc", ())) <= 1]
-    if whole:
-        if whole[0].get("type") == "missing":
-            return "the request has no body; send a JSON object (Content-Type: application/json)"
-        return ("the body must be a JSON object with Content-Type: application/json, e.g. "
-                '{"model": "NAME", "prompt": "..."}')
-    msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}" for e in errors)
-    return f"invalid request: {msg[:2000]}"
-
-
-def _prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
-    p = body.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, list) and p and not all(isinstance(x, int) for x in p):
-        raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
-    if isinstance(p, list):
-        return [int(x) for x in p]  # type: ignore[arg-type]  # checked above: all ints
-    if fmt is None:
-        raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids")
-    if not p.strip():
-        raise InvalidRequest("prompt is empty; send a non-empty prompt")
-    if len(p) > max_chars:
-        raise InvalidRequest(f"prompt has {len(p)} characters; the limit is {max_chars}")
-    return fmt.encode_text(p)[0]  # a completion prompt is plain text: the tokenizer's BOS, if any, then the text
-
-
-def _chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
-    if fmt is None:
-        raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids")
-    for i, m in enumerate(body.messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if part.type != "text":
-                raise InvalidRequest(f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
-                                     "parts only")
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    if not any(m["content"].strip() for m in msgs):
-        raise InvalidRequest("messages carry no text; send at least one message with non-empty content")
-    n = sum(len(m["content"]) for m in msgs)
-    if n > max_chars:
-        raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}")
-    return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
-
-
-def _request(body: _Body, ids: list[int]) -> GenerateRequest:
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return GenerateRequest(
-        prompt=tuple(ids), consumer=body.model, method=body.method,
-        method_params={k: v if isinstance(v, str) else json.dumps(v) for k, v in body.method_params.items()},
-        native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
-        sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
-                                 temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed or 0),
-    )
 
 
 def _scd_timings(ev: TokenEvent) -> dict:
@@ -248,7 +119,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        return error_response(grpc.StatusCode.INVALID_ARGUMENT, _validation_message(exc.errors()))
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):  # 404, 405, 413...: OpenAI-style bodies too
@@ -260,8 +131,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "scd"}
                                            for n in s.consumers]}
 
-    async def run(body: _Body, ids: list[int], chat: bool):
-        req = _request(body, ids)
+    async def run(body: Body, ids: list[int], chat: bool):
+        req = to_request(body, ids)
         rid = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -336,7 +207,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def fan_out(body: _Body, names: list[str], ids: list[list[int]], chat: bool):
+    async def fan_out(body: Body, names: list[str], ids: list[list[int]], chat: bool):
         """One prompt to several consumers (``model: "a,b"``): the requests run concurrently and the
         producer shares one base prefill between them. Choice ``i`` is consumer ``names[i]`` (its
         name in the choice's ``model``); a consumer that fails gets ``finish_reason: "error"`` and
@@ -346,7 +217,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(i: int, name: str):
-            req = _request(body.model_copy(update={"model": name}), ids[i])
+            req = to_request(body.model_copy(update={"model": name}), ids[i])
             try:
                 async with contextlib.aclosing(servicer.generate(req, None)) as events:
                     async for ev in events:
@@ -450,10 +321,10 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
-        return await handle(body, _prompt_ids, False)
+        return await handle(body, prompt_ids, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
-        return await handle(body, _chat_ids, True)
+        return await handle(body, chat_ids, True)
 
     return app

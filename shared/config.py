@@ -18,8 +18,22 @@ _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 def field_errors(e: ValidationError) -> list[str]:
-    """pydantic's complaints, one ``field.path: message`` each (its own report adds types and a URL)."""
-    return [f"{'.'.join(str(p) for p in err['loc']) or '(the whole value)'}: {err['msg']}" for err in e.errors()]
+    """pydantic's complaints, one ``field.path: message`` each (its own report adds types, the input
+    and a URL; a validator's own message loses pydantic's "Value error, " prefix, a field the model
+    does not have is "not a known setting", and a complaint about the whole value has no field path)."""
+    out = []
+    for err in e.errors():
+        msg = "not a known setting" if err["type"] == "extra_forbidden" else plain_message(err["msg"])
+        out.append(f"{'.'.join(str(p) for p in err['loc'])}: {msg}" if err["loc"] else msg)
+    return out
+
+
+def plain_message(msg: str) -> str:
+    """A pydantic error message without the prefix it puts before a validator's own words."""
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
 
 
 def check_consumer_names(*names: str) -> None:

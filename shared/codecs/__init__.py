@@ -14,6 +14,7 @@ from shared.codecs.ridge import RidgeMap
 from shared.codecs.scd import SCD, SCDReuse
 from shared.codecs.selective_recompute import DroidSpeak
 from shared.codecs.spectrum import SpectrumKV
+from shared.config import field_errors
 from shared.errors import InvalidRequest, UnknownMethod
 
 
@@ -48,7 +49,9 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
             read = {k: _scalar(v) if k in failed else v for k, v in params.items()}
             return cls.model_validate({"kind": kind, **read})
         except ValidationError as e:
-            raise InvalidRequest(f"invalid settings for method {kind!r}: {e}".replace("\n", "; ")) from None
+            settings = sorted(f for f in cls.model_fields if f != "kind")
+            raise InvalidRequest(f"invalid settings for method {kind!r}: {'; '.join(field_errors(e))} (its settings: "
+                                 f"{', '.join(settings) or 'none'})") from None
 
 
 def check_enabled(methods, allow=()) -> None:

@@ -395,7 +395,7 @@ def test_outputs_are_checked_before_the_work_that_fills_them(home, tmp_path, com
         assert res.exit_code == 2 and "is a folder; give a file name" in said(res), res.output
 
 
-@pytest.mark.parametrize("setting, said_", [("bogus=1", "--set bogus: Extra inputs are not permitted"),
+@pytest.mark.parametrize("setting, said_", [("bogus=1", "--set bogus: not a known setting"),
                                             ("r_kv=-1", "--set r_kv: Input should be greater than or equal to 1"),
                                             ("tolerance=abc", "--set tolerance: Input should be a valid number")])
 def test_calibration_settings_are_refused_one_line_each_before_any_model_loads(home, setting, said_):

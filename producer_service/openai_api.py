@@ -1,0 +1,208 @@
+"""The OpenAI request bodies the producer's HTTP front takes, how they are checked, and how one
+becomes a ``GenerateRequest``. Each field the server uses takes its JSON type only; OpenAI features it
+does not implement are refused when asked for, never answered without them."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from shared.config import plain_message
+from shared.domain import GenerateRequest, SamplingRequest
+from shared.errors import InvalidRequest
+
+U32 = 2**32
+TokenId = Annotated[int, Field(ge=0, lt=U32)]
+
+
+def check_text(value, where: str = "body") -> None:
+    """Every string of the body must be encodable as UTF-8 (a lone surrogate such as "\\ud800"
+    is valid JSON but not text)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} holds a character that is not valid Unicode text at position {e.start} "
+                             "(a lone surrogate); send UTF-8 text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where)
+            check_text(v, f"{where}.{k}" if isinstance(k, str) and len(k) < 64 else where)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{where}[{i}]")
+
+
+UNSUPPORTED: dict[str, tuple] = {  # field -> its neutral values (booleans and numbers compare equal: False == 0)
+    "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "suffix": ("",),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (), "tools": (), "functions": (),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": (),
+}
+UNSUPPORTED_WHY = {
+    "echo": "echo is not supported (the answer never repeats the prompt)",
+    "logprobs": "logprobs are not supported by this server",
+    "top_logprobs": "top_logprobs are not supported by this server",
+    "best_of": "best_of above 1 is not supported (one completion per request)",
+    "suffix": "suffix (insertion) is not supported",
+    "presence_penalty": "presence_penalty is not supported (sampling takes temperature, top_p, seed, stop)",
+    "frequency_penalty": "frequency_penalty is not supported (sampling takes temperature, top_p, seed, stop)",
+    "logit_bias": "logit_bias is not supported",
+    "tools": "tools (function calling) are not supported",
+    "functions": "functions (function calling) are not supported",
+    "tool_choice": "tool_choice other than \"none\" or \"auto\" is not supported (no function calling)",
+    "function_call": "function_call other than \"none\" or \"auto\" is not supported (no function calling)",
+    "response_format": "response_format other than {\"type\": \"text\"} is not supported (no constrained output)",
+}
+
+
+class Body(BaseModel):
+    # Fields that do not change the answer (user, metadata, stream_options, ...) are ignored; the ones
+    # the server uses take their JSON type only (strict: true is not a max_tokens of 1, nor "yes" a
+    # stream flag, as the OpenAI API refuses them); UNSUPPORTED features are refused when asked for
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str = Field(..., min_length=1, max_length=256)
+    """The consumer's name."""
+    max_tokens: int | None = Field(None, ge=1, lt=U32)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=U32)
+    temperature: float = Field(0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+    # OpenAI features this server does not implement: refused when asked for (a 400 naming the field),
+    # never silently answered without them; their neutral values (null, false, 0, 1, "", [], {}) pass
+    echo: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    # SCD extensions
+    method: str = Field("", max_length=64)
+    method_params: dict[str, Any] = {}
+    """Method settings; values that are not strings (numbers, lists) are sent as JSON."""
+    native_prefix: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data):
+        check_text(data)
+        return data
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value, info: ValidationInfo):
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and other != value:
+            raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({value}) disagree; send one of them")
+        return value
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value, info: ValidationInfo):
+        neutral = UNSUPPORTED[info.field_name or ""]
+        if value is None or value in ([], {}) or value == {"type": "text"} and info.field_name == "response_format":
+            return value
+        if isinstance(value, (str, int, float)) and value in neutral:  # bool is an int
+            return value
+        raise ValueError(f"{UNSUPPORTED_WHY[info.field_name or '']}; leave it out")
+
+
+class CompletionBody(Body):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content if p.type == "text")
+        return self.content or ""
+
+
+class ChatBody(Body):
+    messages: list[Message] = Field(..., min_length=1)
+
+
+def validation_message(errors) -> str:
+    """One message for a body that does not validate: a body that is not a JSON object (or none)
+    said as such, else each field's complaint."""
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:  # loc: ("body", offset)
+        at = bad_json[0].get("loc", ())[1:2]
+        return (f"the body is not valid JSON{f' (at character {at[0]})' if at else ''}: "
+                f"{bad_json[0].get('ctx', {}).get('error', bad_json[0]['msg'])}; send one JSON object")
+    whole = [e for e in errors if len(e.get("loc", ())) <= 1]
+    if whole:
+        if whole[0].get("type") == "missing":
+            return "the request has no body; send a JSON object (Content-Type: application/json)"
+        return ("the body must be a JSON object with Content-Type: application/json, e.g. "
+                '{"model": "NAME", "prompt": "..."}')
+    msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {plain_message(e['msg'])}" for e in errors)
+    return f"invalid request: {msg[:2000]}"
+
+
+def prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
+    p = body.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, list) and p and not all(isinstance(x, int) for x in p):
+        raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
+    if isinstance(p, list):
+        return [int(x) for x in p]  # type: ignore[arg-type]  # checked above: all ints
+    if fmt is None:
+        raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids")
+    if not p.strip():
+        raise InvalidRequest("prompt is empty; send a non-empty prompt")
+    if len(p) > max_chars:
+        raise InvalidRequest(f"prompt has {len(p)} characters; the limit is {max_chars}")
+    return fmt.encode_text(p)[0]  # a completion prompt is plain text: the tokenizer's BOS, if any, then the text
+
+
+def chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
+    if fmt is None:
+        raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids")
+    for i, m in enumerate(body.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.type != "text":
+                raise InvalidRequest(f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
+                                     "parts only")
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    if not any(m["content"].strip() for m in msgs):
+        raise InvalidRequest("messages carry no text; send at least one message with non-empty content")
+    n = sum(len(m["content"]) for m in msgs)
+    if n > max_chars:
+        raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}")
+    return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
+
+
+def to_request(body: Body, ids: list[int]) -> GenerateRequest:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return GenerateRequest(
+        prompt=tuple(ids), consumer=body.model, method=body.method,
+        method_params={k: v if isinstance(v, str) else json.dumps(v) for k, v in body.method_params.items()},
+        native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
+        sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
+                                 temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed or 0),
+    )

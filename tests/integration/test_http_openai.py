@@ -1,0 +1,64 @@
+"""The OpenAI front's contract beyond well-formed values: features this server lacks are refused with
+the field named (never answered without them), their neutral values are served, and settings errors
+read as one plain sentence (no validator report)."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import pytest
+from ops_common import TOKEN, http
+
+H = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.mark.parametrize("path,extra,field", [
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"suffix": " end"}, "suffix"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/v1/completions", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"max_tokens": 3, "max_completion_tokens": 5}, "max_completion_tokens"),
+])
+def test_an_openai_feature_the_server_lacks_is_refused_not_ignored(svc, path, extra, field):
+    """An answer without what was asked for (logprobs, JSON output, a tool call) would look like a
+    normal one; the 400 names the field instead."""
+    body = {"model": "chat", "max_tokens": 2, **extra, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                          if "chat" in path else {"prompt": "hi there"})}
+    r = httpx.post(http(svc) + path, headers=H, json=body, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    msg = r.json()["error"]["message"]
+    assert f"{field}: " in msg and "Value error" not in msg, msg
+
+
+@pytest.mark.parametrize("neutral", [{"echo": False}, {"logprobs": None}, {"best_of": 1}, {"frequency_penalty": 0},
+                                     {"presence_penalty": 0.0}, {"logit_bias": {}}, {"suffix": ""}])
+def test_neutral_values_of_unsupported_features_are_served(svc, neutral):
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2, **neutral})
+    assert r.status_code == 200, r.text[:300]
+
+
+@pytest.mark.parametrize("path,extra,said", [
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",
+                              "max_tokens": 2, "max_completion_tokens": 2}, None),
+    ("/v1/completions", {"temperature": 11}, "invalid sampling settings: temperature: Input should be less than"),
+    ("/v1/completions", {"stop": [""]}, "invalid sampling settings: stop strings must be non-empty"),
+    ("/v1/completions", {"method": "raw", "method_params": {"bogus": "1"}},
+     "invalid settings for method 'raw': bogus: not a known setting (its settings: dtype"),
+])
+def test_settings_errors_read_as_one_plain_sentence(svc, path, extra, said):
+    body = {"model": "chat", "max_tokens": 2, **extra, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                          if "chat" in path else {"prompt": "hi there"})}
+    r = httpx.post(http(svc) + path, headers=H, json=body, timeout=60)
+    if said is None:
+        assert r.status_code == 200, r.text[:300]
+        return
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and said in msg, msg
+    assert "pydantic" not in msg and "[type=" not in msg and "validation error for" not in msg, msg
