@@ -106,6 +106,10 @@ class ProducerEngine(Engine):
             raise NotFound(f"unknown consumer {clip(req.consumer)}; this producer knows {sorted(s.consumers)}")
         kind = req.method or s.default_method
         if kind not in s.methods:
+            if kind in CODECS:  # a real method this producer was not set up to offer
+                raise UnknownMethod(f"transfer method {kind!r} is not enabled on this producer (it offers "
+                                    f"{list(s.methods)}); the operator adds it to the `methods` setting of the "
+                                    "producer and of the consumer")
             raise UnknownMethod(f"unknown transfer method {clip(kind)}; this producer offers {list(s.methods)}")
         check_ids(req.request_id)
         check_sampling(req.sampling)

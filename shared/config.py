@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -114,15 +115,18 @@ class ServiceSettings(BaseSettings):
         return (init_settings, env_settings)
 
     @classmethod
-    def load(cls, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), **kw: Any):
-        """Settings from an optional YAML file, the environment (``PREFIX__A__B=v``) and overrides
-        ``a.b=v`` (highest priority). Raises ConfigError with every problem listed."""
+    def load(cls, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+             defaults: dict[str, Any] | None = None, **kw: Any):
+        """Settings from ``defaults`` (computed by the caller: what a store holds, say), then an
+        optional YAML file, the environment (``PREFIX__A__B=v``), overrides ``a.b=v``, and ``kw``
+        (explicit flags, highest priority). Raises ConfigError with every problem listed."""
         import os
 
         # a sub-model's default with fields of its own (server: ServerSettings(port=50052)) is the base
         # that a file, the environment or a flag setting only some of its keys (server.host) refines
         data: dict[str, Any] = {name: f.default.model_dump(exclude_unset=True) for name, f in cls.model_fields.items()
                                 if isinstance(f.default, BaseModel) and f.default.model_fields_set}
+        _deep_update(data, copy.deepcopy(defaults or {}))
         if file:
             try:
                 loaded = yaml.safe_load(Path(file).read_text()) or {}

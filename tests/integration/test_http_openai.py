@@ -62,3 +62,11 @@ def test_settings_errors_read_as_one_plain_sentence(svc, path, extra, said):
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and said in msg, msg
     assert "pydantic" not in msg and "[type=" not in msg and "validation error for" not in msg, msg
+
+
+@pytest.mark.parametrize("method,said", [("droidspeak", "transfer method 'droidspeak' is not enabled on this producer"),
+                                         ("droidspeek", "unknown transfer method 'droidspeek'")])
+def test_a_method_the_producer_does_not_offer_is_told_apart_from_a_typo(svc, method, said):
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2, "method": method})
+    assert r.status_code == 404 and said in r.json()["error"]["message"], r.text[:300]

@@ -107,3 +107,42 @@ def test_consumer_addresses_that_grpc_can_dial_are_taken(address):
 def test_bad_consumer_endpoints_are_refused_at_start_up(consumers, match):
     with pytest.raises(ValueError, match=match):
         ProducerSettings(model={"path": "/x"}, consumers=consumers)
+
+
+def test_computed_defaults_are_the_lowest_priority(monkeypatch, tmp_path):
+    """What a store holds (``defaults``) yields to a settings file, the environment and --set; explicit
+    flags (``kw``) beat them all."""
+    d = {"methods": ["oracle", "scd", "droidspeak"]}
+    assert ProducerSettings.load(overrides=["model.path=/x"], defaults=d).methods == ("oracle", "scd", "droidspeak")
+    f = tmp_path / "p.yaml"
+    f.write_text("model: {path: /x}\nmethods: [oracle, raw]\ndefault_method: raw\n")
+    assert ProducerSettings.load(f, defaults=d).methods == ("oracle", "raw")
+    assert ProducerSettings.load(overrides=["model.path=/x", "methods=[raw, scd]"], defaults=d).methods == ("raw",
+                                                                                                          "scd")
+    monkeypatch.setenv("PRODUCER__METHODS", '["quant", "scd"]')
+    assert ProducerSettings.load(overrides=["model.path=/x"], defaults=d).methods == ("quant", "scd")
+    monkeypatch.delenv("PRODUCER__METHODS")
+    assert ProducerSettings.load(overrides=["model.path=/x"], defaults=d, methods=("scd",)).methods == ("scd",)
+    assert d == {"methods": ["oracle", "scd", "droidspeak"]}  # not modified
+
+
+@pytest.mark.parametrize("sets", [[], ["--set", "http.port=0"]])
+def test_serve_offers_the_profiled_baselines_whatever_else_is_set(monkeypatch, tmp_path, sets):
+    """A baseline whose profile the store holds is served by both sides with or without other
+    settings (a --set http.port used to drop it to the settings' default list)."""
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+    from tools.cli import serve as serve_cli
+
+    (tmp_path / "x.droidspeak.json").write_text("{}")
+    seen = []
+    monkeypatch.setattr(serve_cli, "_serve", lambda load, build, s: seen.append(s))
+    monkeypatch.setenv("SCD_PAIRS", str(tmp_path / "pairs.json"))
+    for role, args in (("producer", ["--consumer", "x=127.0.0.1:1", *sets]),
+                       ("consumer", ["--name", "x", "--model", str(tmp_path), *sets[:1], *(
+                           ["server.grace_s=1"] if sets else [])])):
+        r = CliRunner().invoke(app, ["serve", role, "--store", str(tmp_path), *args])
+        assert r.exit_code == 0, r.output
+    assert "droidspeak" in seen[0].methods and "droidspeak" in seen[1].methods, [s.methods for s in seen]
+    assert "scd" not in seen[1].methods  # no SCD artifacts in this store

@@ -49,11 +49,13 @@ def _serve(load_engine, build_server, settings) -> None:
         fail(str(e))
 
 
-def _load_settings(cls, config, overrides, **kw):
+def _load_settings(cls, config, overrides, defaults=None, **kw):
+    """Settings from ``defaults`` (what the store holds), the file, the environment, ``--set``, then
+    the explicit flags in ``kw`` (None: not given)."""
     from shared.errors import ConfigError
 
     try:
-        return cls.load(config, overrides, **{k: v for k, v in kw.items() if v is not None})
+        return cls.load(config, overrides, defaults=defaults, **{k: v for k, v in kw.items() if v is not None})
     except ConfigError as e:
         fail(str(e))
 
@@ -125,19 +127,17 @@ def serve_consumer(
         name = name or e.name
         if model is None:
             model, adapter = e.consumer_model()
-    extra = {}
+    extra, defaults = {}, {}
     store_dir = Path(store) if store else (e.store_dir() if e else None)
-    if quick:  # no settings file: serve what the store holds for this consumer
-        if store_dir is None:
-            from tools.assets.registry import default_store
+    if quick and store_dir is None:
+        from tools.assets.registry import default_store
 
-            store_dir = default_store(builtin=True)
+        store_dir = default_store(builtin=True)
+    if store_dir is not None:  # serve what the store holds for this consumer, unless the settings list methods
         extra["artifact_store"] = str(store_dir)
-        extra["methods"] = _served_methods(store_dir, name or "strong")
-    elif store_dir:
-        extra["artifact_store"] = str(store_dir)
+        defaults["methods"] = _served_methods(store_dir, name or "strong")
     mod = {"path": model, **({"adapter": adapter} if adapter else {})} if model else None
-    s = _load_settings(ConsumerSettings, config, set_, name=name, model=mod, server=server or None, **extra)
+    s = _load_settings(ConsumerSettings, config, set_, defaults, name=name, model=mod, server=server or None, **extra)
     _serve(load_engine, build_server, s)
 
 
@@ -189,10 +189,9 @@ def serve_producer(
             from tools.assets.models import producer_dir
 
             model = str(producer_dir())
-    quick = not config and not set_
-    s = _load_settings(ProducerSettings, config, set_, model={"path": model} if model else None,
+    s = _load_settings(ProducerSettings, config, set_, {"methods": offered}, model={"path": model} if model else None,
                        server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
-                       consumers=consumers or None, methods=offered if quick else None)
+                       consumers=consumers or None)
     _serve(load_engine, build_server, s)
 
 
