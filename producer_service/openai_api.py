@@ -69,7 +69,8 @@ class Body(BaseModel):
     max_tokens: int | None = Field(None, ge=1, lt=U32)
     max_completion_tokens: int | None = Field(None, ge=1, lt=U32)
     temperature: float = Field(0.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Above 0 (as vLLM and the wire take it: the wire's 0 means unset, i.e. 1); at most 1 is the consumer's check."""
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False

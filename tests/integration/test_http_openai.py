@@ -49,6 +49,7 @@ def test_neutral_values_of_unsupported_features_are_served(svc, neutral):
                               "max_tokens": 2, "max_completion_tokens": 2}, None),
     ("/v1/completions", {"temperature": 11}, "invalid sampling settings: temperature: Input should be less than"),
     ("/v1/completions", {"stop": [""]}, "invalid sampling settings: stop strings must be non-empty"),
+    ("/v1/completions", {"top_p": 0, "temperature": 1.0}, "top_p: Input should be greater than 0"),
     ("/v1/completions", {"method": "raw", "method_params": {"bogus": "1"}},
      "invalid settings for method 'raw': bogus: not a known setting (its settings: dtype"),
 ])

@@ -345,6 +345,9 @@ def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     (["--max-new-tokens", "0"], "greater than or equal to 1"),
     (["--seed", "-5"], "greater than or equal to 0"),
     (["--timeout", "0"], "greater than or equal to 0.001"),
+    (["--top-p", "0"], "--top-p must be above 0"),
+    (["--top-p", "1.5"], "less than or equal to 1"),
+    (["--temperature", "-1"], "greater than or equal to 0"),
 ])
 def test_generate_refuses_bad_options_before_it_connects(args, match):
     res = CliRunner().invoke(app, ["generate", "--producer", "127.0.0.1:1", "hi", *args])

@@ -205,8 +205,8 @@ def generate(
                                "KIND:KEY=VALUE;KEY=VALUE (scd:block_tokens=0.35)."),
     param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
     max_new_tokens: int = typer.Option(64, min=1, max=2**32 - 1),
-    temperature: float = typer.Option(0.0),
-    top_p: float = typer.Option(1.0),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus mass, above 0 and at most 1."),
     stop: list[str] = typer.Option([]),
     seed: int = typer.Option(0, min=0, max=2**64 - 1),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
@@ -225,6 +225,8 @@ def generate(
         check_grpc_target(producer, "127.0.0.1:50051")
     except ValueError as e:
         raise typer.BadParameter(f"--producer: {e}") from None
+    if top_p == 0:  # the protocol's 0 means "unset" (1.0): the opposite of what a nucleus of 0 asks for
+        raise typer.BadParameter("--top-p must be above 0 (at most 1); for greedy decoding leave --temperature at 0")
     names = [c.strip() for c in consumer.split(",") if c.strip()]
     if not names or len(set(names)) != len(names):
         raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}")
