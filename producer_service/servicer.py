@@ -144,14 +144,19 @@ class ProducerServicer(pbg.ProducerServicer):
         header = eng.header(p, request.request_id or uuid.uuid4().hex, t0_unix + remaining)
         totals, stats = StreamTotals(), StreamStats()
         sent = {"trailer": 0}
+        failed: list[Exception] = []
 
         async def frames():
-            yield totals.add(header_frame(header))  # before the prefill: the consumer admits meanwhile
-            async for item in eng.layers(p, stats, hold):
-                for f in layer_frames(item.layer, item.tensors, compression=eng.settings.compression):
-                    yield totals.add(f)
-            sent["trailer"] = 1
-            yield totals.add(totals.trailer(stats.encode_ms, stats.prefill_ms))
+            try:
+                yield totals.add(header_frame(header))  # before the prefill: the consumer admits meanwhile
+                async for item in eng.layers(p, stats, hold):
+                    for f in layer_frames(item.layer, item.tensors, compression=eng.settings.compression):
+                        yield totals.add(f)
+                sent["trailer"] = 1
+                yield totals.add(totals.trailer(stats.encode_ms, stats.prefill_ms))
+            except Exception as e:  # noqa: BLE001 - our own prefill or encode failed: gRPC would only stop reading
+                failed.append(e)  # this iterator and leave the call open until its deadline; end it, and fail
+                call.cancel()  # the request with this error below
 
         md = self._peer_md + (((BENCH_HOLD_METADATA, "1"),) if hold else ())
         call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining, metadata=md or None)
@@ -176,7 +181,13 @@ class ProducerServicer(pbg.ProducerServicer):
                     if not t.fallback_recompute:
                         eng.links.observe(request.consumer, totals.wire_bytes, t.transfer_ms)
                 yield ev
-        except grpc.aio.AioRpcError as e:
+            if failed:  # the call ended quietly after we cancelled it
+                raise failed[0]
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            if failed:
+                raise failed[0] from None
+            if isinstance(e, asyncio.CancelledError):
+                raise
             code = e.code()
             msg = e.details() or code.name
             if code == grpc.StatusCode.UNAVAILABLE:

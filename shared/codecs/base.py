@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from shared.domain import Schema, TensorSpec
-from shared.errors import DataLoss, InvalidPayload
+from shared.errors import DataLoss, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 
 
@@ -156,6 +156,14 @@ class DecodeSession(ABC):
         if len(self._rotated) != self.model.n_layers:
             raise InvalidPayload(f"stream ended after {len(self._rotated)} of {self.model.n_layers} layers")
         return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
+
+
+def check_group_size(kind: str, width: int, g: int) -> None:
+    """A request's ``group_size`` for groups of K/V channels must divide the model's K/V width."""
+    if width % g:
+        fits = [d for d in range(2, min(width, 128) + 1) if width % d == 0][-4:] or [1]
+        raise InvalidRequest(f"{kind} group_size {g}: the model's K/V width {width} must be a multiple of it (this "
+                             f"model takes e.g. {', '.join(map(str, fits))})")
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod
+from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod, check_group_size
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
 from shared.domain import TensorSpec
 from shared.errors import InvalidPayload
@@ -29,6 +29,10 @@ class QuantKV(TransferMethod, kind="quant", compressive=True):
 
     Session = PerLayerSession
     cfg: Config
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        check_group_size("quant", ctx.model.kv_dim, cfg.group_size)  # value groups are of channels
 
     def _split(self, n: int) -> int:
         """How many leading tokens are quantized: a multiple of the group, the rest stay fp16."""

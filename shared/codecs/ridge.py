@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod, kv_spec
+from shared.codecs.base import DecodeSession, MethodConfig, TransferMethod, check_group_size, kv_spec
 from shared.codecs.quant import (
     dequantize_columns,
     dequantize_groups,
@@ -98,9 +98,10 @@ class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profil
                                     ctx)
         self.quantized = cfg.k_bits < 16 or cfg.v_bits < 16
         width = ctx.model.kv_dim
-        if self.quantized and (width % cfg.group_size or width % 4):
-            raise ConfigError(f"ridge k_bits/v_bits: K/V width {width} must be a multiple of group_size "
-                              f"{cfg.group_size} and of 4")
+        if self.quantized:
+            check_group_size("ridge (k_bits/v_bits below 16)", width, cfg.group_size)
+            if width % 4:
+                raise ConfigError(f"ridge k_bits/v_bits below 16 need a K/V width that is a multiple of 4, not {width}")
 
     def hidden_layers(self) -> tuple[int, ...]:
         return self.tiers.hidden_layers() if self.tiers else ()  # the queries that rank the tokens

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod
+from shared.codecs.base import MethodConfig, PerLayerSession, TransferMethod, check_group_size
 from shared.codecs.quant import dequantize_groups, pack4, quantize_groups, unpack4
 from shared.domain import TensorSpec
 from shared.errors import ConfigError, InvalidPayload
@@ -90,8 +90,7 @@ class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"p
         else:
             self.int4 = cfg.int4 == "on"
             self._pin = ""
-        if ctx.model.kv_dim % cfg.group_size:
-            raise ConfigError(f"K/V width {ctx.model.kv_dim} is not a multiple of group_size {cfg.group_size}")
+        check_group_size("spectrum", ctx.model.kv_dim, cfg.group_size)
 
     def pin(self) -> str:
         return self._pin
