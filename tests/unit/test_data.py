@@ -67,6 +67,11 @@ def test_operator_prompts_file(tmp_path, tokenizer):
     f.write_text('{"answer": "x"}\n')
     with pytest.raises(ValueError, match="prompt"):
         user.load(f, fmt)
+    f.write_text("1999\nnull\ntrue\n3.5e2\n")  # text lines that also parse as JSON scalars stay text
+    assert [it.prompt for it in user.load(f, fmt)] == ["1999", "null", "true", "3.5e2"]
+    f.write_text('[1, 2]\n')
+    with pytest.raises(user.DataFileError, match="p.jsonl:1: expected a JSON object"):
+        user.load(f, fmt)
 
 
 @pytest.mark.parametrize("content,match", [

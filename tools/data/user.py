@@ -57,6 +57,8 @@ def _records(path: Path) -> list[tuple[int, dict]]:
             if obj is None:
                 raise DataFileError(f"{path}:{i + 1}: looks like JSON but does not parse; fix it or give a plain "
                                     "text line") from None
+        if obj is None or isinstance(obj, (bool, int, float)):  # a text line that happens to parse ("42", "null")
+            obj = line.strip()
         if isinstance(obj, str):
             obj = {"prompt": obj}
         if not isinstance(obj, dict) or "prompt" not in obj:
