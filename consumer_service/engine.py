@@ -124,14 +124,19 @@ class ConsumerEngine(Engine):
         if bad is not None and s.fallback != "recompute":
             raise (FingerprintMismatch if bad[0] == "fingerprint" else PreconditionFailed)(bad[1])
         n_prompt = len(h.prompt_ids)
-        if not 2 <= n_prompt <= s.max_prompt_tokens:
-            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {s.max_prompt_tokens}")
+        if not 2 <= n_prompt <= self.prompt_limit:
+            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {self.prompt_limit} "
+                                 f"({self.limit_reason()})")
         vocab = self.adapter.config.vocab_size
         if max(h.prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token id {max(h.prompt_ids)} is outside the vocabulary (size {vocab})")
         if h.n_tokens != n_prompt - 1:
             raise InvalidPayload(f"header n_tokens={h.n_tokens}; expected prompt length - 1 = {n_prompt - 1}")
         sampling = self.sampling(h.sampling)
+        if self.context and n_prompt + sampling.max_new_tokens > self.context:
+            raise InvalidRequest(f"the prompt's {n_prompt} tokens and max_new_tokens={sampling.max_new_tokens} pass "
+                                 f"the model's context of {self.context} tokens; ask for at most "
+                                 f"{max(self.context - n_prompt, 0)} new tokens or shorten the prompt")
         if bad is not None:  # fallback: prefill the prompt with our own model, ignore the frames
             return self._fallback(h, sampling, *bad)
         start = 0

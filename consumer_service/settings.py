@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.config import (
@@ -75,3 +75,25 @@ class ConsumerSettings(ServiceSettings):
     """/metrics and /health over HTTP; off unless http.port is set."""
     security: SecuritySettings = SecuritySettings()
     bench: BenchSettings = BenchSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_follows_limit(cls, data):
+        """A max_new_tokens below the default answer length lowers that default with it, unless the
+        default is set too."""
+        if isinstance(data, dict) and "default_max_new_tokens" not in data and "max_new_tokens" in data:
+            try:
+                limit = int(data["max_new_tokens"])
+            except (TypeError, ValueError):
+                return data  # the field's own validation says what is wrong
+            default = cls.model_fields["default_max_new_tokens"].default
+            if 1 <= limit < default:
+                data = {**data, "default_max_new_tokens": limit}
+        return data
+
+    @model_validator(mode="after")
+    def _default_within_limit(self):
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must be at most max_new_tokens "
+                             f"({self.max_new_tokens}): every request that names no limit would be refused")
+        return self

@@ -16,7 +16,7 @@ _COMMON: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
-    max_position_embeddings=512,
+    max_position_embeddings=8192,  # RoPE: no weight depends on it; long enough for the decode tests
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
