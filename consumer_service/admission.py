@@ -8,7 +8,7 @@ import asyncio
 import collections
 import contextlib
 
-from shared.errors import ResourceExhausted
+from shared.errors import InvalidRequest, ResourceExhausted
 from shared.metrics import Metrics
 
 
@@ -59,8 +59,8 @@ class AdmissionController:
             fut.set_result(None)
 
     async def acquire(self, nbytes: int, timeout: float) -> None:
-        if self.budget and nbytes > self.budget:
-            raise ResourceExhausted(
+        if self.budget and nbytes > self.budget:  # never fits, however long it waits: not a retry-later 429
+            raise InvalidRequest(
                 f"request needs an estimated {nbytes:,} bytes of cache; the consumer's budget is {self.budget:,}: "
                 "send a shorter prompt or fewer max_new_tokens, or raise cache_budget_bytes")
         if not self._waiters and self._fits(nbytes):

@@ -32,7 +32,7 @@ from producer_service.openai_api import (
 )
 from producer_service.servicer import ProducerServicer
 from shared.domain import TokenEvent
-from shared.errors import InvalidRequest, NotFound, SCDError
+from shared.errors import InvalidRequest, NotFound, SCDError, clip
 from shared.rpc.errors import status_for
 from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
 
@@ -124,12 +124,28 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):  # 404, 405, 413...: OpenAI-style bodies too
         code = _HTTP_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+        msg = str(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":  # no such route: say which there are
+            msg = (f"{clip(request.url.path)} is not served here; this server serves POST /v1/completions, POST "
+                   "/v1/chat/completions, GET /v1/models[/NAME], GET /health, GET /metrics")
+        elif exc.status_code == 405 and msg == "Method Not Allowed":
+            allow = (exc.headers or {}).get("Allow", "another method")
+            msg = f"{request.method} is not allowed on {clip(request.url.path)}; use {allow}"
+        return JSONResponse(error_body(code, msg), status_code=exc.status_code, headers=exc.headers)
+
+    def _model(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "scd"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "scd"}
-                                           for n in s.consumers]}
+        return {"object": "list", "data": [_model(n) for n in s.consumers]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        if name not in s.consumers:
+            return error_response(grpc.StatusCode.NOT_FOUND,
+                                  f"unknown model {clip(name)}; this producer serves {sorted(s.consumers)}")
+        return _model(name)
 
     async def run(body: Body, ids: list[int], chat: bool):
         req = to_request(body, ids)

@@ -29,8 +29,17 @@ def error_body(code: grpc.StatusCode, message: str) -> dict:
     return {"error": {"message": message, "type": code.name.lower(), "code": code.name, "param": None}}
 
 
+RETRY_AFTER_S = 1
+"""What a 429 (at capacity) or 503 (consumer unavailable) tells a client to wait before it retries
+(OpenAI's client libraries honour ``Retry-After``)."""
+
+
 def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if code == grpc.StatusCode.UNAUTHENTICATED else None
+    headers = None
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 500), headers=headers)
 
 

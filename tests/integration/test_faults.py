@@ -222,10 +222,10 @@ def test_32_concurrent_requests_against_a_budget_for_8(svc):
     assert cs.metrics.value("requests_total", method="raw", outcome="resource_exhausted", fallback="none") == rejected
 
 
-def test_http_front_surfaces_resource_exhausted_as_429(svc):
+def test_a_request_over_the_whole_budget_is_400_not_a_retry_later_429(svc):
     r = httpx.post(http(svc) + "/v1/completions", headers={"authorization": f"Bearer {TOKEN}"}, timeout=60,
                    json={"model": "small", "prompt": PROMPT * 3, "max_tokens": 500, "method": "raw"})
-    assert r.status_code == 429 and "budget" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "budget" in r.json()["error"]["message"] and "retry-after" not in r.headers
 
 
 # ---------------------------------------------------------------------------- fuzz

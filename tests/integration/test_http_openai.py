@@ -71,3 +71,17 @@ def test_a_method_the_producer_does_not_offer_is_told_apart_from_a_typo(svc, met
     r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
                    json={"model": "chat", "prompt": "hi there", "max_tokens": 2, "method": method})
     assert r.status_code == 404 and said in r.json()["error"]["message"], r.text[:300]
+
+
+def test_a_model_can_be_retrieved_by_name_and_an_unknown_route_says_what_is_served(svc):
+    """``client.models.retrieve(NAME)`` is GET /v1/models/NAME; a wrong path or method gets an
+    OpenAI-style body saying what there is, not a bare "Not Found"."""
+    r = httpx.get(http(svc) + "/v1/models/chat", headers=H, timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == "chat" and r.json()["object"] == "model", r.text
+    r = httpx.get(http(svc) + "/v1/models/nosuch", headers=H, timeout=30)
+    assert r.status_code == 404 and "unknown model 'nosuch'; this producer serves [" in r.json()["error"]["message"]
+    r = httpx.post(http(svc) + "/v1/embeddings", headers=H, json={"input": "x"}, timeout=30)
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 404 and "'/v1/embeddings' is not served here" in msg and "/v1/chat/completions" in msg
+    r = httpx.get(http(svc) + "/v1/completions", headers=H, timeout=30)
+    assert r.status_code == 405 and "GET is not allowed on '/v1/completions'; use POST" in r.json()["error"]["message"]

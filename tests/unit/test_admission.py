@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from consumer_service.admission import AdmissionController
-from shared.errors import ResourceExhausted
+from shared.errors import InvalidRequest, ResourceExhausted
 from shared.metrics import Metrics
 
 
@@ -16,7 +16,7 @@ def run(coro):
 
 def test_over_budget_request_is_refused_before_anything_is_held():
     a = AdmissionController(4, 4, budget=100)
-    with pytest.raises(ResourceExhausted, match="budget"):
+    with pytest.raises(InvalidRequest, match="budget"):  # it would never fit: not "retry later"
         run(a.acquire(101, 1))
     assert a.held == 0 and a.active == 0
 
@@ -74,3 +74,16 @@ def test_budget_is_binding_and_released_on_error_and_cancellation():
         assert a.held == 0 and a.active == 0 and a.peak_held <= 100
 
     run(go())
+
+
+@pytest.mark.parametrize("code,status,retry", [("RESOURCE_EXHAUSTED", 429, "1"), ("UNAVAILABLE", 503, "1"),
+                                               ("INVALID_ARGUMENT", 400, None), ("INTERNAL", 500, None)])
+def test_http_errors_worth_retrying_say_when(code, status, retry):
+    """A 429 (at capacity) or 503 carries Retry-After, which OpenAI's clients honour; errors that
+    a retry cannot fix do not."""
+    import grpc
+
+    from shared.rpc.http import error_response
+
+    r = error_response(getattr(grpc.StatusCode, code), "x")
+    assert r.status_code == status and r.headers.get("retry-after") == retry
