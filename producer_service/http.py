@@ -19,7 +19,6 @@ import grpc
 from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer_service.openai_api import (
     Body,
@@ -34,7 +33,7 @@ from producer_service.servicer import ProducerServicer
 from shared.domain import TokenEvent
 from shared.errors import InvalidRequest, NotFound, SCDError, clip
 from shared.rpc.errors import status_for
-from shared.rpc.http import add_auth, add_metrics_routes, error_body, error_response
+from shared.rpc.http import add_auth, add_metrics_routes, add_route_errors, error_body, error_response
 
 
 def _scd_timings(ev: TokenEvent) -> dict:
@@ -103,11 +102,6 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-_HTTP_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-               404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED,
-               413: grpc.StatusCode.INVALID_ARGUMENT}
-
-
 def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     eng = servicer.engine
     s = eng.settings
@@ -121,17 +115,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     async def _invalid(request, exc: RequestValidationError):
         return error_response(grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc.errors()))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):  # 404, 405, 413...: OpenAI-style bodies too
-        code = _HTTP_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
-        msg = str(exc.detail)
-        if exc.status_code == 404 and msg == "Not Found":  # no such route: say which there are
-            msg = (f"{clip(request.url.path)} is not served here; this server serves POST /v1/completions, POST "
-                   "/v1/chat/completions, GET /v1/models[/NAME], GET /health, GET /metrics")
-        elif exc.status_code == 405 and msg == "Method Not Allowed":
-            allow = (exc.headers or {}).get("Allow", "another method")
-            msg = f"{request.method} is not allowed on {clip(request.url.path)}; use {allow}"
-        return JSONResponse(error_body(code, msg), status_code=exc.status_code, headers=exc.headers)
+    add_route_errors(app, "POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/NAME], GET /health, "
+                          "GET /metrics")
 
     def _model(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "scd"}

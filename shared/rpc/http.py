@@ -12,7 +12,9 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shared.errors import clip
 from shared.metrics import CONTENT_TYPE, Metrics
 from shared.rpc.security import SecuritySettings, token_ok
 
@@ -75,9 +77,31 @@ def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True, detai
         return JSONResponse(body, status_code=200 if ok else 503)
 
 
+_HTTP_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+               404: grpc.StatusCode.NOT_FOUND, 405: grpc.StatusCode.UNIMPLEMENTED,
+               413: grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def add_route_errors(app: FastAPI, served: str) -> None:
+    """The framework's own errors (404, 405, 413...) as OpenAI-style bodies; a path that is not
+    served lists ``served``, a wrong method names the ones the path takes."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = _HTTP_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
+        msg = str(exc.detail)
+        if exc.status_code == 404 and msg == "Not Found":
+            msg = f"{clip(request.url.path)} is not served here; this server serves {served}"
+        elif exc.status_code == 405 and msg == "Method Not Allowed":
+            allow = (exc.headers or {}).get("Allow", "another method")
+            msg = f"{request.method} is not allowed on {clip(request.url.path)}; use {allow}"
+        return JSONResponse(error_body(code, msg), status_code=exc.status_code, headers=exc.headers)
+
+
 def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:
     """The consumer's HTTP side: /metrics (token-checked) and /health."""
     app = FastAPI(title=f"scd {metrics.service}", docs_url=None, redoc_url=None, openapi_url=None)
+    add_route_errors(app, "GET /health, GET /metrics")
     add_metrics_routes(app, metrics)
     add_auth(app, token, metrics)
     return app

@@ -85,3 +85,11 @@ def test_a_model_can_be_retrieved_by_name_and_an_unknown_route_says_what_is_serv
     assert r.status_code == 404 and "'/v1/embeddings' is not served here" in msg and "/v1/chat/completions" in msg
     r = httpx.get(http(svc) + "/v1/completions", headers=H, timeout=30)
     assert r.status_code == 405 and "GET is not allowed on '/v1/completions'; use POST" in r.json()["error"]["message"]
+
+
+def test_the_consumers_http_side_answers_unknown_routes_the_same_way(svc):
+    port = svc.consumer_servers["lease"].http.port
+    r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=H, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 404 and "is not served here; this server serves GET /health, GET /metrics" in err["message"]
+    assert err["code"] == "NOT_FOUND"
