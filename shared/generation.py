@@ -71,6 +71,11 @@ class Generator:
         if self.sampling.temperature > 0:
             self._gen = torch.Generator().manual_seed(self.sampling.seed)
 
+    def _stop_prefix(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins a stop string (0: none)."""
+        return max((k for s in self.sampling.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+
     def _text(self) -> str:
         if self.tokenizer is None:
             return ""
@@ -95,6 +100,8 @@ class Generator:
         if not finish and text.endswith("\ufffd"):
             delta = ""  # an incomplete UTF-8 sequence: wait for the next token
         else:
+            if not finish:  # hold back what may be the start of a stop string: it is never to be sent
+                text = text[: len(text) - self._stop_prefix(text)]
             delta = text[len(self._emitted):] if text.startswith(self._emitted) else ""
             self._emitted = text if delta or text.startswith(self._emitted) else self._emitted
         self.finished = bool(finish)
