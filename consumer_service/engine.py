@@ -39,7 +39,7 @@ from shared.errors import (
     UnknownMethod,
     clip,
 )
-from shared.generation import Generator, Sampling
+from shared.generation import Generator, Sampling, fresh_seed
 from shared.handshake import incompatibility, pin_mismatch
 from shared.metrics import Metrics
 
@@ -182,7 +182,7 @@ class ConsumerEngine(Engine):
             raise InvalidRequest(f"max_new_tokens={n}; this consumer allows at most {s.max_new_tokens}")
         try:
             return Sampling(max_new_tokens=n, temperature=sp.temperature, top_p=sp.top_p or 1.0,
-                            stop=tuple(sp.stop), seed=sp.seed)
+                            stop=tuple(sp.stop), seed=fresh_seed() if sp.seed is None else sp.seed)
         except ValidationError as e:
             raise InvalidRequest(f"invalid sampling settings: {'; '.join(field_errors(e))}") from None
 

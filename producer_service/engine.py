@@ -31,7 +31,7 @@ def check_sampling(sp) -> None:
 
     if not 0 <= sp.max_new_tokens < 2**32:
         raise InvalidRequest(f"max_new_tokens={sp.max_new_tokens}; send 1 to the consumer's limit (0: its default)")
-    if not 0 <= sp.seed < 2**64:
+    if sp.seed is not None and not 0 <= sp.seed < 2**64:
         raise InvalidRequest(f"seed={sp.seed}; send 0 to 2^64 - 1")
     if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):
         raise InvalidRequest("temperature and top_p must be finite numbers")

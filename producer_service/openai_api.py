@@ -205,5 +205,5 @@ def to_request(body: Body, ids: list[int]) -> GenerateRequest:
         method_params={k: v if isinstance(v, str) else json.dumps(v) for k, v in body.method_params.items()},
         native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
         sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
-                                 temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed or 0),
+                                 temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed),
     )

@@ -16,7 +16,7 @@ class SamplingRequest:
     temperature: float = 0.0
     top_p: float = 0.0  # 0: 1.0
     stop: tuple[str, ...] = ()
-    seed: int = 0
+    seed: int | None = None  # None: a fresh random seed per request (it matters only when temperature > 0)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Runs one step per call so that a service can interleave requests and stream each
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.model.hf_adapter import ModelAdapter
+
+
+def fresh_seed() -> int:
+    """A seed for a request that names none: each such request samples differently."""
+    return secrets.randbits(63)
 
 
 class Sampling(BaseModel):

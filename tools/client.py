@@ -26,7 +26,7 @@ class Result:
 
 
 def request(prompt: str | list[int], consumer: str, method: str = "", max_new_tokens: int = 32,
-            temperature: float = 0.0, top_p: float = 1.0, stop: tuple[str, ...] = (), seed: int = 0,
+            temperature: float = 0.0, top_p: float = 1.0, stop: tuple[str, ...] = (), seed: int | None = None,
             native_prefix: bool = True, method_params: dict[str, str] | None = None) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         consumer=consumer, method=method, native_prefix=native_prefix, method_params=method_params or {},

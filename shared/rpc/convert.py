@@ -9,12 +9,12 @@ from shared.rpc import scd_pb2 as pb
 
 def sampling_from_pb(s: pb.SamplingParams) -> SamplingRequest:
     return SamplingRequest(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                           stop=tuple(s.stop), seed=s.seed)
+                           stop=tuple(s.stop), seed=s.seed if s.HasField("seed") else None)
 
 
 def sampling_to_pb(s: SamplingRequest) -> pb.SamplingParams:
     return pb.SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                             stop=list(s.stop), seed=s.seed)
+                             stop=list(s.stop), seed=s.seed)  # None leaves the optional field unset
 
 
 def request_from_pb(r: pb.GenerateRequest) -> GenerateRequest:

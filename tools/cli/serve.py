@@ -208,7 +208,8 @@ def generate(
     temperature: float = typer.Option(0.0, min=0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus mass, above 0 and at most 1."),
     stop: list[str] = typer.Option([]),
-    seed: int = typer.Option(0, min=0, max=2**64 - 1),
+    seed: Optional[int] = typer.Option(None, min=0, max=2**64 - 1, help="Sampling seed (default: a fresh one per "
+                                       "request)."),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
     timeout: float = typer.Option(120.0, min=0.001, help="Deadline in seconds."),
     token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
