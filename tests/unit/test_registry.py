@@ -254,6 +254,9 @@ def test_cli_pair_commands(home, folders):
     res = r.invoke(app, ["pair", "add", "cli", "--producer", folders["producer"], "--consumer", folders["consumer"]])
     assert res.exit_code == 0, res.output
     assert "registered pair 'cli'" in res.output and "scd calibrate --pair cli" in res.output
+    assert "no drift to correct" not in res.output
+    res = r.invoke(app, ["pair", "add", "twin", "--producer", folders["producer"], "--consumer", folders["producer"]])
+    assert res.exit_code == 0 and "note: the consumer's weights are the producer's" in res.output, res.output
     res = r.invoke(app, ["pair", "list"])
     assert res.exit_code == 0 and "cli" in res.output and "llama" in res.output
     res = r.invoke(app, ["pair", "show", "cli"])

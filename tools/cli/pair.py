@@ -38,6 +38,10 @@ def add(
     typer.echo(f"registered pair {e.name!r}: {e.model_type}, {e.n_layers} layers, {e.n_kv_heads} KV heads x "
                f"{e.head_dim}; producer {e.producer_fingerprint}, consumer {e.consumer_fingerprint}; "
                f"store {e.store_dir()}")
+    if e.producer_fingerprint == e.consumer_fingerprint:
+        typer.echo("note: the consumer's weights are the producer's (same fingerprint): there is no drift to correct, "
+                   "and raw transfer is already exact; give the fine-tuned model as --consumer if that was meant",
+                   err=True)
     typer.echo(f"next: scd calibrate --pair {e.name} --data PROMPTS.jsonl")
 
 
