@@ -124,9 +124,9 @@ class ConsumerEngine(Engine):
         if bad is not None and s.fallback != "recompute":
             raise (FingerprintMismatch if bad[0] == "fingerprint" else PreconditionFailed)(bad[1])
         n_prompt = len(h.prompt_ids)
-        if not 2 <= n_prompt <= self.prompt_limit:
-            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {self.prompt_limit} "
-                                 f"({self.limit_reason()})")
+        limit, why = self.prompt_limit()
+        if not 2 <= n_prompt <= limit:
+            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {limit} ({why})")
         vocab = self.adapter.config.vocab_size
         if max(h.prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token id {max(h.prompt_ids)} is outside the vocabulary (size {vocab})")

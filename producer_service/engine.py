@@ -140,9 +140,9 @@ class ProducerEngine(Engine):
         if len(ids) < 2:
             raise InvalidRequest("prompt has 1 token and this producer's tokenizer has no document-start token to "
                                  "put before it; send at least 2 token ids")
-        if len(ids) > self.prompt_limit:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {self.prompt_limit} "
-                                 f"({self.limit_reason()})")
+        limit, why = self.prompt_limit()
+        if len(ids) > limit:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {limit} ({why})")
         vocab = self.adapter.config.vocab_size
         if max(ids) >= vocab or min(ids) < 0:
             bad = max(ids) if max(ids) >= vocab else min(ids)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from shared.config import plain_message
+from shared.config import field_errors
 from shared.domain import GenerateRequest, SamplingRequest
 from shared.errors import InvalidRequest
 
@@ -160,7 +160,7 @@ def validation_message(errors) -> str:
             return "the request has no body; send a JSON object (Content-Type: application/json)"
         return ("the body must be a JSON object with Content-Type: application/json, e.g. "
                 '{"model": "NAME", "prompt": "..."}')
-    msg = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {plain_message(e['msg'])}" for e in errors)
+    msg = "; ".join(field_errors(errors, skip=1))  # every loc here has a field after "body"
     return f"invalid request: {msg[:2000]}"
 
 

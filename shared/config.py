@@ -18,18 +18,21 @@ GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
-def field_errors(e: ValidationError) -> list[str]:
-    """pydantic's complaints, one ``field.path: message`` each (its own report adds types, the input
-    and a URL; a validator's own message loses pydantic's "Value error, " prefix, a field the model
-    does not have is "not a known setting", and a complaint about the whole value has no field path)."""
+def field_errors(e: ValidationError | list, skip: int = 0) -> list[str]:
+    """pydantic's complaints (a ValidationError or its ``errors()``), one ``field.path: message`` each,
+    the first ``skip`` parts of each path left out (FastAPI's "body"). Its own report adds types, the
+    input and a URL; here a validator's own message loses pydantic's "Value error, " prefix, a field
+    the model does not have is "not a known setting", and a complaint about the whole value has no
+    field path."""
     out = []
-    for err in e.errors():
-        msg = "not a known setting" if err["type"] == "extra_forbidden" else plain_message(err["msg"])
-        out.append(f"{'.'.join(str(p) for p in err['loc'])}: {msg}" if err["loc"] else msg)
+    for err in e.errors() if isinstance(e, ValidationError) else e:
+        msg = "not a known setting" if err["type"] == "extra_forbidden" else _plain_message(err["msg"])
+        loc = err["loc"][skip:]
+        out.append(f"{'.'.join(str(p) for p in loc)}: {msg}" if loc else msg)
     return out
 
 
-def plain_message(msg: str) -> str:
+def _plain_message(msg: str) -> str:
     """A pydantic error message without the prefix it puts before a validator's own words."""
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):

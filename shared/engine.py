@@ -43,15 +43,12 @@ class Engine(TorchWorker):
         """Positions the model was trained for (its config's max_position_embeddings), if it says."""
         TorchWorker.__init__(self, name)
 
-    @property
-    def prompt_limit(self) -> int:
-        """The most prompt tokens a request may have: the setting, and never past the model's context."""
-        limit = self.settings.max_prompt_tokens
-        return min(limit, self.context) if self.context else limit
-
-    def limit_reason(self) -> str:
-        s = self.settings.max_prompt_tokens
-        return "the model's context" if self.context and self.context < s else "max_prompt_tokens"
+    def prompt_limit(self) -> tuple[int, str]:
+        """The most prompt tokens a request may have, and what sets it: the setting, never past the
+        model's context."""
+        if self.context and self.context < self.settings.max_prompt_tokens:
+            return self.context, "the model's context"
+        return self.settings.max_prompt_tokens, "max_prompt_tokens"
 
     def load_context(self, folder: str | Path | None, side: str, producer_fp: str | None = None,
                      consumer_fp: str | None = None, require: tuple[str, ...] = ()) -> CodecContext:

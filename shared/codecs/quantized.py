@@ -45,8 +45,6 @@ class QuantKV(TransferMethod, kind="quant", compressive=True):
         for name, x, axis in (("k", state.keys[layer], 0), ("v", state.values[layer], 1)):
             x = to_rows(x[:, :, start:]).float()
             nq = self._split(x.shape[0])
-            if x.shape[1] % g and axis == 1:
-                raise ValueError(f"value width {x.shape[1]} is not a multiple of group_size {g}")
             q, s, z = quantize_groups(x[:nq], bits, g, axis)
             out[f"{name}.q"] = pack4(q) if bits == 4 else q.reshape(-1)
             out[f"{name}.scale"], out[f"{name}.zero"] = s, z

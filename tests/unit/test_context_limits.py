@@ -36,7 +36,7 @@ def test_the_consumer_refuses_a_prompt_and_answer_past_the_context(model):
     s = ConsumerSettings.load(model={"path": "unused"}, name="c", methods=["raw"], max_prompt_tokens=4096)
     eng = ConsumerEngine(s, model)
     try:
-        assert eng.prompt_limit == CONTEXT
+        assert eng.prompt_limit() == (CONTEXT, "the model's context")
         with pytest.raises(InvalidRequest, match=rf"takes 2 to {CONTEXT} \(the model's context\)"):
             eng.open(header(CONTEXT + 1, 1))
         with pytest.raises(InvalidRequest, match=r"ask for at most 4 new tokens"):
