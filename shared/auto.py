@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shared.config import field_errors
 from shared.errors import InvalidRequest, PreconditionFailed
 
 DEFAULT_LINK_MBPS = 1000.0
@@ -62,9 +63,8 @@ class AutoSettings(BaseModel):
         try:
             return cls.model_validate(params or {})
         except ValidationError as e:
-            msg = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'auto'}: {x['msg']}" for x in e.errors())
-            raise InvalidRequest(f"invalid settings for method 'auto': {msg} (settings: link_mbps, "
-                                 "max_kl_vs_raw, time_tolerance, kl_tolerance)") from None
+            raise InvalidRequest(f"invalid settings for method 'auto': {'; '.join(field_errors(e))} (its settings: "
+                                 f"{', '.join(cls.model_fields)})") from None
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,11 @@ def test_expected_time_is_compute_plus_bytes_over_the_link():
 def test_settings_are_checked_with_a_message_that_names_them():
     with pytest.raises(InvalidRequest, match="link_mbps"):
         AutoSettings.parse({"link_mbps": "-3"})
-    with pytest.raises(InvalidRequest, match="settings: link_mbps, max_kl_vs_raw, time_tolerance, kl_tolerance"):
+    with pytest.raises(InvalidRequest, match=r"bits: not a known setting \(its settings: link_mbps, max_kl_vs_raw, "
+                       r"time_tolerance, kl_tolerance\)"):
         AutoSettings.parse({"bits": "4"})
+    with pytest.raises(InvalidRequest, match="link_mbps: Input should be greater than 0"):
+        AutoSettings.parse({"link_mbps": "0"})
     assert AutoSettings.parse({"link_mbps": "250"}).link_mbps == 250
 
 
