@@ -351,6 +351,10 @@ def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     (["--top-p", "0"], "--top-p must be above 0"),
     (["--top-p", "1.5"], "less than or equal to 1"),
     (["--temperature", "-1"], "greater than or equal to 0"),
+    (["--pair", "strong,"], "each once"),
+    (["--pair", ",strong"], "each once"),
+    (["--pair", "a, a"], "each once"),
+    (["--pair", " "], "each once"),
 ])
 def test_generate_refuses_bad_options_before_it_connects(args, match):
     res = CliRunner().invoke(app, ["generate", "--producer", "127.0.0.1:1", "hi", *args])

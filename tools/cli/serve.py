@@ -228,8 +228,8 @@ def generate(
         raise typer.BadParameter(f"--producer: {e}") from None
     if top_p == 0:  # the protocol's 0 means "unset" (1.0): the opposite of what a nucleus of 0 asks for
         raise typer.BadParameter("--top-p must be above 0 (at most 1); for greedy decoding leave --temperature at 0")
-    names = [c.strip() for c in consumer.split(",") if c.strip()]
-    if not names or len(set(names)) != len(names):
+    names = [c.strip() for c in consumer.split(",")]
+    if not all(names) or len(set(names)) != len(names):  # an empty name (a stray comma) as HTTP's model does
         raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}")
     from shared.codecs import parse_variant
 
