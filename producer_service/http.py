@@ -279,8 +279,11 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                     c["message"] = {"role": "assistant", "content": c.pop("delta")["content"]}
                 c["scd_timings"] = tims[i]
                 choices.append(c)
+            done = [t for t in tims if t is not None]  # usage: summed over the consumers that answered
+            prompt, completion = sum(t["prompt_tokens"] for t in done), sum(t["completion_tokens"] for t in done)
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": body.model,
-                                 "choices": choices})
+                                 "choices": choices, "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                                               "total_tokens": prompt + completion}})
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 

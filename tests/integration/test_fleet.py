@@ -62,6 +62,8 @@ def test_http_model_list_fans_out_and_each_choice_is_that_consumers_answer(svc):
     assert {c["model"]: c["scd_timings"]["completion_tokens"] for c in out["choices"]} == \
         {c: r.timings.completion_tokens for c, r in res.items()}
     assert all(c["scd_timings"]["method"] == "raw" and c["finish_reason"] for c in out["choices"])
+    want_usage = {k: sum(c["scd_timings"][k] for c in out["choices"]) for k in ("prompt_tokens", "completion_tokens")}
+    assert out["usage"] == {**want_usage, "total_tokens": sum(want_usage.values())}
     for c in names:  # the two single requests, and one each in the fan-out
         assert pm.value("consumer_requests_total", consumer=c, method="raw") == before[c] + 2
     assert pm.value("prefills_total", source="run") + pm.value("prefills_total", source="shared") == runs + 4
@@ -88,6 +90,7 @@ def test_http_fan_out_reports_a_failing_consumer_in_its_choice(svc):
     assert ok["scd_timings"]["completion_tokens"] > 0
     assert bad["model"] == "short" and bad["finish_reason"] == "error"
     assert bad["error"]["code"] == "INVALID_ARGUMENT" and "8" in bad["error"]["message"]
+    assert r.json()["usage"]["completion_tokens"] == ok["scd_timings"]["completion_tokens"]  # the one that answered
     # nobody answers: the error of the request, as for one consumer
     r = httpx.post(http(svc) + "/v1/completions", json={**body, "model": "short,picky"}, headers=H, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["message"] == bad["error"]["message"]
