@@ -77,6 +77,7 @@ class ProducerEngine(Engine):
             name: self.load_context(ep.artifacts, "producer", producer_fp=self.fingerprint)
             for name, ep in settings.consumers.items()}
         self._prefills: OrderedDict[tuple, PrefillState] = OrderedDict()  # used on the worker thread only
+        self.prefill_cache_nbytes = 0  # what the kept states hold (written on the worker thread only)
         self._inflight: dict[tuple, asyncio.Future] = {}  # prompt -> its prefill running now (event loop only)
         self.prefix_ids: list[int] = self.format.prefix_ids if self.format else []
         self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
@@ -203,12 +204,20 @@ class ProducerEngine(Engine):
         if old is not None:
             hidden, residual = hidden | old.hidden.keys(), residual | old.residual.keys()
         state = self.adapter.prefill(key, hidden_layers=sorted(hidden), residual_layers=sorted(residual))
-        if size:
+        if old is not None:
+            del cache[key]
+            self.prefill_cache_nbytes -= old.nbytes
+        if size and state.nbytes <= self.settings.prefill_cache_bytes:
             cache[key] = state
-            cache.move_to_end(key)
-            while len(cache) > size:
-                cache.popitem(last=False)
+            self.prefill_cache_nbytes += state.nbytes
+            while len(cache) > size or self.prefill_cache_nbytes > self.settings.prefill_cache_bytes:
+                self.prefill_cache_nbytes -= cache.popitem(last=False)[1].nbytes
         return state, False
+
+    def clear_prefill_cache(self) -> None:
+        """Drop every kept prefill state (on the worker thread, or with no request running)."""
+        self._prefills.clear()
+        self.prefill_cache_nbytes = 0
 
     async def shared_prefill(self, p: Prepared) -> tuple[PrefillState | None, bool]:
         """``prefill``, once for concurrent requests of the same prompt: a request that arrives while

@@ -37,6 +37,7 @@ class ProducerServicer(pbg.ProducerServicer):
     def __init__(self, engine: ProducerEngine, metrics: Metrics | None = None):
         self.engine = engine
         self.metrics = metrics or Metrics("producer")
+        self.metrics.prefill_cache_bytes.set_function(lambda: engine.prefill_cache_nbytes)
         sec = engine.settings.security
         self._peer_creds = sec.peer_credentials()
         self._peer_md = auth_metadata(sec.bearer())  # the producer sends its own token to its consumers

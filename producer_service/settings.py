@@ -57,6 +57,11 @@ class ProducerSettings(ServiceSettings):
     prefill_cache_entries: int = Field(0, ge=0, le=1024)
     """Most recent prefill states kept, keyed by the prompt's token ids (0 = off): a prompt already
     prefilled is streamed again without a prefill (one base prefill serving many consumers)."""
+    prefill_cache_bytes: int = Field(1 << 30, ge=0)
+    """Memory the kept prefill states may hold together (the least recently used go first; a state
+    larger than this is not kept). A state holds the K/V of every layer and the hidden states the
+    methods capture: for SmolLM2-135M in fp32 ~55 kB per prompt token for `scd`, up to ~185 kB
+    where a method captures every layer's states; the default keeps ~18 states of 1,000 tokens."""
     max_deadline_s: float = Field(600.0, gt=0)
     """Longest deadline a client may ask for; longer ones are cut to this."""
     http: HTTPSettings = HTTPSettings()

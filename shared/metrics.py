@@ -43,6 +43,8 @@ class Metrics:
         self.auth_failures = Counter(p + "auth_failures", "Requests refused for a missing or wrong bearer token",
                                      ["transport"], registry=r)
 
+        self.prefill_cache_bytes = Gauge(p + "prefill_cache_bytes", "Memory held by the kept prefill states "
+                                         "(producer; prefill_cache_entries, prefill_cache_bytes)", registry=r)
         self.prefills = Counter(p + "prefills", "Base-model prefills of requests: run for the request, or shared "
                                 "(cached, or another request's prefill of the same prompt; producer)", ["source"],
                                 registry=r)

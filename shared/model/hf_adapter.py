@@ -74,6 +74,13 @@ class PrefillState:
     def n_tokens(self) -> int:
         return self.keys[0].shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        """The memory its tensors hold."""
+        tensors = [*self.keys, *self.values, *self.hidden.values(), *self.residual.values(), self.token_ids,
+                   self.last_logits]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
     """Per-layer K or V [1, H, T, D] -> token rows [T, H*D] (what the maps and codes work on)."""

@@ -45,7 +45,7 @@ def _gen(svc, prompt=PROMPT, no_pipelining=False, **kw):
 
 def test_prefill_cache_serves_a_repeated_prompt_identically(services):
     eng = services.producer_engine
-    eng._prefills.clear()
+    eng.clear_prefill_cache()
     first = _gen(services)
     assert len(eng._prefills) == 1
     again = _gen(services)
@@ -67,7 +67,7 @@ def test_prefill_cache_keeps_one_state_per_prompt_with_every_captured_layer(serv
     from producer_service.engine import Prepared
 
     eng = services.producer_engine
-    eng._prefills.clear()
+    eng.clear_prefill_cache()
 
     def prepared(hidden=(), residual=()):
         m = SimpleNamespace(transfers_layers=True, hidden_layers=lambda: hidden, residual_layers=lambda: residual)
@@ -80,6 +80,26 @@ def test_prefill_cache_keeps_one_state_per_prompt_with_every_captured_layer(serv
     assert set(s2.hidden) == {1} and set(s2.residual) == {2}
     assert torch.equal(s2.hidden[1], s1.hidden[1])
     assert list(eng._prefills) == [tuple(PROMPT[:-1])]
+
+
+def test_prefill_cache_holds_at_most_its_byte_budget(services, monkeypatch):
+    eng = services.producer_engine
+    eng.clear_prefill_cache()
+    gauge = lambda: services._servicer.metrics.value("prefill_cache_bytes")  # noqa: E731
+    _gen(services, n=1)
+    one = eng._prefills[tuple(PROMPT[:-1])].nbytes
+    assert one > 0 and eng.prefill_cache_nbytes == one == gauge()
+    # room for one state of this length: a second prompt evicts the first, whatever the entry count
+    monkeypatch.setattr(eng, "settings", eng.settings.model_copy(update={"prefill_cache_bytes": one + one // 2}))
+    _gen(services, prompt=PROMPT[1:], n=1)
+    assert list(eng._prefills) == [tuple(PROMPT[1:-1])]
+    assert eng.prefill_cache_nbytes == eng._prefills[tuple(PROMPT[1:-1])].nbytes == gauge()
+    # a state larger than the whole budget is served but not kept, and evicts nothing
+    monkeypatch.setattr(eng, "settings", eng.settings.model_copy(update={"prefill_cache_bytes": one // 2}))
+    assert _gen(services, n=1).token_ids
+    assert list(eng._prefills) == [tuple(PROMPT[1:-1])]
+    eng.clear_prefill_cache()
+    assert gauge() == 0
 
 
 def test_prefill_cache_off_by_default():

@@ -73,7 +73,8 @@ class FleetServices(Services):
         self.wait_listening(timeout_s)  # every consumer before the producer (see wait_listening)
         self._start("producer", tb.producer_ns, [
             *links, "--model", s.producer_model, "--host", tb.client_addr, "--port", str(PRODUCER_PORT),
-            "--set", f"prefill_cache_entries={s.prefill_cache_entries}", "--set", f"default_method={s.methods[0]}",
+            "--set", f"prefill_cache_entries={s.prefill_cache_entries}", "--set",
+            f"prefill_cache_bytes={s.prefill_cache_bytes}", "--set", f"default_method={s.methods[0]}",
             "--store", s.store, "--set", f"methods=[{','.join(s.methods)}]", *common])
         return self.wait_listening(timeout_s)
 

@@ -39,6 +39,8 @@ class ServiceSpec:
     methods: tuple[str, ...]
     threads: int = 1
     prefill_cache_entries: int = 4
+    prefill_cache_bytes: int = 8 << 30
+    """Warm runs need every method's state of a prompt kept (10,000 tokens: up to ~1.9 GB each)."""
     device: str = "cpu"
     dtype: str = "float32"
     consumer_adapter: str | None = None
@@ -86,7 +88,8 @@ class Services:
         self._start("producer", tb.producer_ns, [
             "--consumer", f"{s.consumer_name}={tb.consumer_addr}:{CONSUMER_PORT}", "--model", s.producer_model,
             "--host", tb.client_addr, "--port", str(PRODUCER_PORT), "--set", f"default_method={s.methods[0]}",
-            "--set", f"prefill_cache_entries={s.prefill_cache_entries}", *common])
+            "--set", f"prefill_cache_entries={s.prefill_cache_entries}",
+            "--set", f"prefill_cache_bytes={s.prefill_cache_bytes}", *common])
         return self.wait_listening(timeout_s)
 
     def wait_listening(self, timeout_s: float):
