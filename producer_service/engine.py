@@ -67,6 +67,14 @@ class StreamStats:
     """The prefill state came from the cache or from a concurrent request of the same prompt."""
 
 
+@dataclass
+class _Inflight:
+    """A prefill running for one or more concurrent requests of the same prompt."""
+
+    task: asyncio.Future
+    waiters: int = 0
+
+
 class ProducerEngine(Engine):
     """The base model's side of every request. Torch work runs on the engine's worker thread."""
 
@@ -78,7 +86,7 @@ class ProducerEngine(Engine):
             for name, ep in settings.consumers.items()}
         self._prefills: OrderedDict[tuple, PrefillState] = OrderedDict()  # used on the worker thread only
         self.prefill_cache_nbytes = 0  # what the kept states hold (written on the worker thread only)
-        self._inflight: dict[tuple, asyncio.Future] = {}  # prompt -> its prefill running now (event loop only)
+        self._inflight: dict[tuple, _Inflight] = {}  # prompt -> its prefill running now (event loop only)
         self.prefix_ids: list[int] = self.format.prefix_ids if self.format else []
         self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
         self.links = LinkEstimator()  # per consumer: the link rate auto plans for
@@ -230,16 +238,29 @@ class ProducerEngine(Engine):
         need = (set(p.method.hidden_layers()), set(p.method.residual_layers()))
         running = self._inflight.get(key)
         if running is not None:
-            state, _ = await asyncio.shield(running)
-            if _covers(state, *need):
+            state, _ = await self._wait(key, running)
+            if state is not None and _covers(state, *need):
                 return state, True
-        fut = asyncio.ensure_future(self.run(self.prefill, p))
-        self._inflight[key] = fut
+        entry = _Inflight(asyncio.ensure_future(self.run(self.prefill, p)))
+        self._inflight[key] = entry
+        entry.task.add_done_callback(lambda _: self._inflight.pop(key) if self._inflight.get(key) is entry else None)
+        return await self._wait(key, entry)
+
+    async def _wait(self, key: tuple, entry: "_Inflight") -> tuple[PrefillState | None, bool]:
+        """Wait for a prefill that other requests may be waiting for too. When the last of them goes
+        (a consumer refused the request, the client left), the prefill is called off: the worker
+        never starts it, or its result is dropped, rather than every refused request costing one."""
+        entry.waiters += 1
         try:
-            return await asyncio.shield(fut)
+            return await asyncio.shield(entry.task)
+        except asyncio.CancelledError:
+            if entry.waiters == 1 and not entry.task.done():
+                if self._inflight.get(key) is entry:
+                    del self._inflight[key]  # no later request may join a prefill being called off
+                entry.task.cancel()
+            raise
         finally:
-            if self._inflight.get(key) is fut:
-                del self._inflight[key]
+            entry.waiters -= 1
 
     @staticmethod
     def encode_layer(p: Prepared, state: PrefillState, layer: int) -> tuple[dict, float]:

@@ -3,6 +3,8 @@ that raises must not leave the consumer's call open until the deadline."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import threading
 import time
 
 import grpc
@@ -43,3 +45,31 @@ def test_a_group_size_the_model_cannot_take_is_invalid_argument(svc, method, par
         gen(svc, consumer="chat", method=method, method_params=params, max_new_tokens=2)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
     assert "must be a multiple of it" in ei.value.details()
+
+
+def test_a_prefill_nobody_waits_for_any_more_is_called_off(svc, monkeypatch):
+    """Requests the consumer refuses at once (here: prompts over its 8-token limit) must not each
+    cost a base prefill afterwards: while the worker is busy, eight of them are refused, and then
+    at most the prefill already running completes."""
+    eng = svc.producer_engine
+    real, go, calls = eng.adapter.prefill, threading.Event(), []
+
+    def held(*a, **k):
+        calls.append(1)
+        go.wait(30)  # the worker is busy until every request has been refused
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng.adapter, "prefill", held)
+    prompts = [[7 + i] + PROMPT[1:] for i in range(8)]  # distinct prompts: no prefill is shared
+    try:
+        with cf.ThreadPoolExecutor(8) as ex:
+            futs = [ex.submit(gen, svc, consumer="short", method="raw", prompt=p, max_new_tokens=2) for p in prompts]
+            errors = [f.exception(timeout=60) for f in futs]
+    finally:
+        go.set()
+    assert all(isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT for e in errors), errors
+    wait_for(lambda: not eng._inflight, timeout=30, what="the called-off prefills to be dropped")
+    eng._pool.submit(lambda: None).result(timeout=60)  # one worker, first in first out: what was queued has run
+    assert len(calls) <= 1, f"{len(calls)} prefills ran for 8 refused requests"
+    monkeypatch.setattr(eng.adapter, "prefill", real)
+    assert gen(svc, consumer="chat", method="raw", max_new_tokens=2)  # the worker serves the next request
