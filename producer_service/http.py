@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 import grpc
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -100,6 +100,15 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": what the access log shows for an answer nobody read
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next ASGI message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
@@ -323,12 +332,30 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             return error_response(*status_for(e))
         return await run(body, ids, chat)
 
+    async def answer(request: Request, body, encode, chat: bool) -> Response:
+        """``handle``, called off when the client hangs up before the response begins: a
+        non-streamed answer (or a stream still before its first token) would otherwise be
+        generated to its end for nobody, holding the consumer's slot. Once a stream has begun,
+        its response notices the hang-up itself."""
+        work = asyncio.ensure_future(handle(body, encode, chat))
+        gone = asyncio.ensure_future(_hung_up(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return Response(status_code=CLIENT_CLOSED)  # nobody is there to read it
+        return work.result()
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        return await handle(body, prompt_ids, False)
+    async def completions(request: Request, body: CompletionBody):
+        return await answer(request, body, prompt_ids, False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
-        return await handle(body, chat_ids, True)
+    async def chat_completions(request: Request, body: ChatBody):
+        return await answer(request, body, chat_ids, True)
 
     return app

@@ -104,6 +104,34 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch)
     wait_for(lambda: idle(svc, "same") and pm.value("inflight_requests") == 0, what="both sides to free (HTTP)")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_http_client_that_hangs_up_before_the_answer_begins_frees_it(svc, monkeypatch, stream):
+    """A non-streamed answer (or a stream before its first token) is called off when the client
+    hangs up, instead of being generated to its end for nobody. The consumer's decoding is held at
+    its first step until the producer has let the request go."""
+    from shared.generation import Generator
+
+    step, gate = Generator.step, threading.Event()
+
+    def gated(self):
+        gate.wait(30)
+        return step(self)
+
+    monkeypatch.setattr(Generator, "step", gated)
+    pm = svc._servicer.metrics
+    cancelled = pm.value("requests_total", method="raw", outcome="cancelled", fallback="none")
+    body = {"model": "same", "prompt": PROMPT, "max_tokens": 3999, "method": "raw", "stream": stream}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(http(svc) + "/v1/completions", json=body, headers={"authorization": f"Bearer {TOKEN}"},
+                       timeout=httpx.Timeout(60, read=1.0))
+        wait_for(lambda: pm.value("inflight_requests") == 0, timeout=20, what="the producer to let the request go")
+        assert pm.value("requests_total", method="raw", outcome="cancelled", fallback="none") == cancelled + 1
+    finally:
+        gate.set()
+    wait_for(lambda: idle(svc, "same"), what="the consumer to free the request")
+
+
 def test_no_request_outlives_its_deadline(svc):
     with pytest.raises(grpc.RpcError) as ei:  # the client's deadline reaches the producer and the consumer
         gen(svc, consumer="same", method="raw", max_new_tokens=4000, timeout=1.0)
