@@ -246,7 +246,7 @@ class ProducerEngine(Engine):
         entry.task.add_done_callback(lambda _: self._inflight.pop(key) if self._inflight.get(key) is entry else None)
         return await self._wait(key, entry)
 
-    async def _wait(self, key: tuple, entry: "_Inflight") -> tuple[PrefillState | None, bool]:
+    async def _wait(self, key: tuple, entry: _Inflight) -> tuple[PrefillState | None, bool]:
         """Wait for a prefill that other requests may be waiting for too. When the last of them goes
         (a consumer refused the request, the client left), the prefill is called off: the worker
         never starts it, or its result is dropped, rather than every refused request costing one."""

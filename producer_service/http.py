@@ -30,6 +30,7 @@ from producer_service.openai_api import (
     validation_message,
 )
 from producer_service.servicer import ProducerServicer
+from shared.config import consumer_list
 from shared.domain import TokenEvent
 from shared.errors import InvalidRequest, NotFound, SCDError, clip
 from shared.rpc.errors import status_for
@@ -317,11 +318,12 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     async def handle(body, encode, chat: bool):
         """The prompt encoded with the consumer's format (errors as OpenAI-style 4xx), then the run;
         ``model: "a,b"`` fans it out to several consumers."""
-        names = [n.strip() for n in body.model.split(",")]
         try:
-            if len(names) > 1:
-                if len(set(names)) != len(names) or not all(names):
-                    raise InvalidRequest(f"model {body.model!r}: name each consumer once, separated by commas")
+            if "," in body.model:
+                try:
+                    names = consumer_list(body.model)
+                except ValueError as e:
+                    raise InvalidRequest(f"model {body.model!r}: {e}") from None
                 unknown = [n for n in names if n not in s.consumers]
                 if unknown:
                     raise NotFound(f"unknown consumer(s) {unknown}; this producer knows {sorted(s.consumers)}")

@@ -40,6 +40,15 @@ def _plain_message(msg: str) -> str:
     return msg
 
 
+def consumer_list(text: str) -> list[str]:
+    """``"a,b"`` -> ``["a", "b"]``: the consumers a request names (several fan it out). ValueError when
+    a name is empty (a stray comma) or repeated."""
+    names = [n.strip() for n in text.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError("name each consumer once, separated by commas")
+    return names
+
+
 def check_consumer_names(*names: str) -> None:
     """ValueError naming every consumer name a request could not address (the producer's
     ``consumers`` keys and a consumer's own ``name`` follow one rule)."""

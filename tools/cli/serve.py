@@ -219,7 +219,7 @@ def generate(
     consumers, each one's answer once it is complete)."""
     import grpc
 
-    from shared.config import check_grpc_target
+    from shared.config import check_grpc_target, consumer_list
     from tools import client
 
     try:
@@ -228,9 +228,10 @@ def generate(
         raise typer.BadParameter(f"--producer: {e}") from None
     if top_p == 0:  # the protocol's 0 means "unset" (1.0): the opposite of what a nucleus of 0 asks for
         raise typer.BadParameter("--top-p must be above 0 (at most 1); for greedy decoding leave --temperature at 0")
-    names = [c.strip() for c in consumer.split(",")]
-    if not all(names) or len(set(names)) != len(names):  # an empty name (a stray comma) as HTTP's model does
-        raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}")
+    try:
+        names = consumer_list(consumer)  # the rule of HTTP's model
+    except ValueError:
+        raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}") from None
     from shared.codecs import parse_variant
 
     try:
