@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.config import (
     BenchSettings,
+    Bytes,
     HTTPSettings,
     ModelSettings,
     ServerSettings,
@@ -63,13 +64,13 @@ class ConsumerSettings(ServiceSettings):
     """Requests reconstructing or decoding at once; more wait in the queue."""
     max_queue: int = Field(16, ge=0)
     """Requests that may wait for admission; past it, RESOURCE_EXHAUSTED."""
-    cache_budget_bytes: int = Field(0, ge=0)
+    cache_budget_bytes: Bytes = Field(0, ge=0)
     """Memory budget of admitted requests, charged before anything is allocated: each request's
     cache, (prompt + max_new_tokens) x layers x 2 x kv_heads x head_dim x element size, plus the
     payload its method declares for the transfer; 0 = unbounded."""
     max_queue_wait_s: float = Field(30.0, gt=0)
     """A request waits at most this long (and never past its deadline) for admission."""
-    max_stream_bytes: int = Field(4 << 30, ge=1 << 20)
+    max_stream_bytes: Bytes = Field(4 << 30, ge=1 << 20)
     """Uncompressed payload bytes one stream may carry; past it the stream is refused."""
     http: HTTPSettings = HTTPSettings()
     """/metrics and /health over HTTP; off unless http.port is set."""

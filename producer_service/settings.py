@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.config import (
     BenchSettings,
+    Bytes,
     HTTPSettings,
     ModelSettings,
     ServerSettings,
@@ -57,7 +58,7 @@ class ProducerSettings(ServiceSettings):
     prefill_cache_entries: int = Field(0, ge=0, le=1024)
     """Most recent prefill states kept, keyed by the prompt's token ids (0 = off): a prompt already
     prefilled is streamed again without a prefill (one base prefill serving many consumers)."""
-    prefill_cache_bytes: int = Field(1 << 30, ge=0)
+    prefill_cache_bytes: Bytes = Field(1 << 30, ge=0)
     """Memory the kept prefill states may hold together (the least recently used go first; a state
     larger than this is not kept). A state holds the K/V of every layer and the hidden states the
     methods capture: for SmolLM2-135M in fp32 ~55 kB per prompt token for `scd`, up to ~185 kB
@@ -75,7 +76,7 @@ class ProducerSettings(ServiceSettings):
     """How the stream's tensor chunks are compressed. zstd (default) entropy-codes SCD's int8 codes
     (~25% fewer bytes than lz4 for a few ms per MB); lz4 is what producers before it sent; every
     consumer reads all three."""
-    max_http_body_bytes: int = Field(1 << 20, ge=1024)
+    max_http_body_bytes: Bytes = Field(1 << 20, ge=1024)
     """HTTP request bodies larger than this are refused (413) before they are parsed."""
     security: SecuritySettings = SecuritySettings()
     bench: BenchSettings = BenchSettings()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.errors import ConfigError
@@ -68,6 +68,31 @@ def check_grpc_target(address: str, example: str = "consumer-strong:50052") -> s
     if m is None or not 1 <= int(m.group(1)) <= 65535:
         raise ValueError(f"address {address!r} must be HOST:PORT (port 1-65535), e.g. {example}")
     return address
+
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
+_UNIT = re.compile(r"^\s*([0-9.]+)\s*([A-Za-z]+)\s*$")
+
+
+def _byte_size(value: Any) -> Any:
+    """``"2GiB"``, ``"512 MB"`` or ``1073741824`` -> bytes (an int); other input is left to the field's own
+    int check. Binary units (KiB, MiB, GiB) are powers of 1024, decimal ones (KB, MB, GB) of 1000."""
+    if isinstance(value, bool):
+        raise ValueError(f"{str(value).lower()} is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB")
+    if not isinstance(value, str):
+        return value
+    unit = _UNIT.match(value)
+    if unit and unit.group(2).lower() in ("k", "m", "g", "t", "p", "e"):  # Docker's 2g is GiB, pydantic's GB
+        n, u = unit.group(1), unit.group(2).upper()
+        raise ValueError(f"{value!r} is ambiguous: write {n}{u}iB (powers of 1024) or {n}{u}B (powers of 1000)")
+    try:
+        return int(_BYTE_SIZE.validate_python(value.strip()))
+    except ValidationError:
+        raise ValueError(f"{value!r} is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB") from None
+
+
+Bytes = Annotated[int, BeforeValidator(_byte_size)]
+"""A size setting: a number of bytes, or one with a unit (``2GiB``, ``512MB``)."""
 
 
 class _Strict(BaseModel):

@@ -22,6 +22,7 @@ def test_settings_files_validate():
     p = ProducerSettings.load(DEPLOY / "producer.yaml")
     c = ConsumerSettings.load(DEPLOY / "consumer.yaml")
     assert p.consumers["strong"].address.endswith(":50052") and c.name == "strong"
+    assert c.cache_budget_bytes == 4 << 30  # written 4GiB
     p = ProducerSettings.load(DEPLOY / "byo" / "producer.yaml")  # an operator's own pair, consumer as an adapter
     c = ConsumerSettings.load(DEPLOY / "byo" / "consumer.yaml")
     assert c.model.adapter and p.consumers[c.name].tokenizer
@@ -146,3 +147,37 @@ def test_serve_offers_the_profiled_baselines_whatever_else_is_set(monkeypatch, t
         assert r.exit_code == 0, r.output
     assert "droidspeak" in seen[0].methods and "droidspeak" in seen[1].methods, [s.methods for s in seen]
     assert "scd" not in seen[1].methods  # no SCD artifacts in this store
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("4GiB", 4 << 30), ("512 MiB", 512 << 20), ("1.5GiB", 3 << 29), ("2GB", 2 * 10**9), ("64KB", 64_000),
+    (4096, 4096), ("4096", 4096), ("0", 0),
+])
+def test_sizes_take_units(monkeypatch, value, expected):
+    monkeypatch.delenv("CONSUMER__CACHE_BUDGET_BYTES", raising=False)
+    c = ConsumerSettings.load(overrides=[f"cache_budget_bytes={value}"], model={"path": "m"})
+    assert c.cache_budget_bytes == expected and type(c.cache_budget_bytes) is int
+    monkeypatch.setenv("CONSUMER__CACHE_BUDGET_BYTES", str(value))  # the environment takes the same text
+    assert ConsumerSettings.load(model={"path": "m"}).cache_budget_bytes == expected
+
+
+@pytest.mark.parametrize("value, match", [
+    ("2g", r"'2g' is ambiguous: write 2GiB \(powers of 1024\) or 2GB"),
+    ("512 m", "write 512MiB"),
+    ("lots", "'lots' is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB"),
+    ("2Gi", "not a size in bytes"),
+    ("-1GiB", "not a size in bytes"),
+    ("true", "true is not a size in bytes"),
+    ("-1", "greater than or equal to 0"),
+])
+def test_sizes_that_are_not_say_how_to_write_one(value, match):
+    with pytest.raises(ConfigError, match=match):
+        ConsumerSettings.load(overrides=[f"cache_budget_bytes={value}"], model={"path": "m"})
+
+
+def test_every_size_setting_takes_units():
+    p = ProducerSettings.load(overrides=["prefill_cache_bytes=2GiB", "max_http_body_bytes=64KiB"], model={"path": "m"})
+    c = ConsumerSettings.load(overrides=["max_stream_bytes=1GiB"], model={"path": "m"})
+    assert (p.prefill_cache_bytes, p.max_http_body_bytes, c.max_stream_bytes) == (2 << 30, 64 << 10, 1 << 30)
+    with pytest.raises(ConfigError, match="max_stream_bytes: Input should be greater than or equal to 1048576"):
+        ConsumerSettings.load(overrides=["max_stream_bytes=1KiB"], model={"path": "m"})
