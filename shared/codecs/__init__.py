@@ -88,9 +88,21 @@ def parse_variant(label: str) -> tuple[str, dict[str, str]]:
     return kind, params
 
 
+def check_settings(kind: str, params: dict[str, str] | None = None) -> None:
+    """A method's settings checked before any work starts (a benchmark or an evaluation would otherwise
+    find them wrong at its first request): UnknownMethod for a kind that is none, InvalidRequest saying
+    which setting is wrong. ``auto`` takes its own settings (``shared.auto.AutoSettings``)."""
+    if kind == "auto":
+        from shared.auto import AutoSettings
+
+        AutoSettings.parse(params)
+    else:
+        method_config(kind, params)
+
+
 def make_method(kind: str, ctx: CodecContext, params: dict[str, str] | None = None) -> TransferMethod:
     return CODECS[kind](method_config(kind, params), ctx)
 
 
 __all__ = ["CODECS", "CodecConfig", "CodecContext", "DecodeJob", "DecodeSession", "MethodConfig",
-           "TransferMethod", "check_enabled", "make_method", "method_config", "parse_variant"]
+           "TransferMethod", "check_enabled", "check_settings", "make_method", "method_config", "parse_variant"]

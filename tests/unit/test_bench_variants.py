@@ -33,6 +33,12 @@ def test_a_setting_without_key_or_value_is_refused_with_an_example(bad):
     (["--fleet", "--pairs", ""], "--pairs needs at least one name"),
     (["--fleet", "--tokens", "1.5"], "--tokens takes comma-separated positive whole numbers"),
     (["--fleet", "--bandwidths", "100,1000"], "--bandwidths takes one value with --fleet"),
+    (["--methods", "oracle,scd:block_tokens=7"], "scd:block_tokens=7: invalid settings for method 'scd': "
+                                                 "block_tokens: Input should be less than or equal to 1"),
+    (["--methods", "raw:bits=8"], "raw:bits=8: invalid settings for method 'raw': bits: not a known setting"),
+    (["--fleet", "--methods", "raw,auto:link_mbps=0"], "auto:link_mbps=0: invalid settings for method 'auto': "
+                                                       "link_mbps: Input should be greater than 0"),
+    (["--fleet", "--methods", "scd:nope=1"], "scd:nope=1: invalid settings for method 'scd': nope: not a known"),
 ])
 def test_bench_options_are_refused_before_anything_starts(args, match):
     from typer.testing import CliRunner

@@ -328,6 +328,10 @@ def test_devices_are_checked_before_any_weight_is_read(home, folders):
     (["--methods", "oracle,raw", "--param", "raw.bits"], "--param takes METHOD.KEY=VALUE"),
     (["--methods", "oracle,raw", "--param", ".bits=8"], "--param takes METHOD.KEY=VALUE"),
     (["--methods", "oracle,raw", "--param", "quant.bits=8"], "method 'quant' is not in --methods"),
+    # settings no request would take: refused before the pair's models load (here: no pair at all)
+    (["--methods", "oracle,scd:block_tokens=7"], "scd:block_tokens=7: invalid settings for method 'scd': block_tokens"),
+    (["--methods", "oracle,quant", "--param", "quant.bits=99"], "quant: invalid settings for method 'quant': bits"),
+    (["--methods", "auto:time_tolerance=2"], "auto:time_tolerance=2: invalid settings for method 'auto'"),
 ])
 def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
     res = CliRunner().invoke(app, ["eval", "--pair", "nope", *args])

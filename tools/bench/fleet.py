@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.bench.netns import BenchError, Testbed, check_privileges
-from tools.bench.runner import Prompts, _git, _vocab, variant
+from tools.bench.runner import Prompts, _git, _vocab, check_variant, variant
 from tools.bench.services import CONSUMER_PORT, PRODUCER_PORT, Services, ServiceSpec
 
 POLICIES = ("oracle", "raw", "scd", "auto")
@@ -116,13 +116,13 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run(cfg: FleetConfig, progress: bool = True) -> dict:
+    for pol in cfg.policies:  # a setting no request would take, refused before the services start
+        check_variant(pol)
     check_privileges()
     from tqdm import tqdm
 
     from tools import client
 
-    for pol in cfg.policies:
-        variant(pol)
     producer, members, tok = _members(cfg)
     tables = _tables(members)
     prompts = Prompts(tok, _vocab(producer))

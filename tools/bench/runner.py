@@ -113,6 +113,19 @@ def variant(label: str) -> tuple[str, dict[str, str]]:
         raise BenchError(str(e)) from None
 
 
+def check_variant(label: str) -> tuple[str, dict[str, str]]:
+    """``variant`` with its settings checked as the producer will check them (BenchError if not)."""
+    from shared.codecs import check_settings
+    from shared.errors import SCDError
+
+    kind, params = variant(label)
+    try:
+        check_settings(kind, params)
+    except SCDError as e:
+        raise BenchError(f"{label}: {e}") from None
+    return kind, params
+
+
 def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix: bool, no_pipelining: bool) -> dict:
     from tools import client
 
@@ -189,7 +202,6 @@ def _git() -> dict:
 
 
 def run(cfg: BenchConfig, progress: bool = True) -> dict:
-    check_privileges()
     from shared.codecs import CODECS
 
     kinds = tuple(dict.fromkeys(variant(m)[0] for m in cfg.methods))
@@ -198,6 +210,9 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         raise BenchError(f"unknown methods {unknown}; expected some of {sorted(CODECS)}")
     if not cfg.methods or not cfg.bandwidths_mbit or not cfg.tokens or cfg.repeats < 1:
         raise BenchError("need at least one method, bandwidth, prompt length and repeat")
+    for m in cfg.methods:  # a setting no request would take, refused before the services start
+        check_variant(m)
+    check_privileges()
     pm, cm, adapter, tok, store = _models(cfg)
     prompts = Prompts(tok, _vocab(pm))
     name = cfg.pair

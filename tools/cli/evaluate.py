@@ -117,7 +117,7 @@ def eval_(
     setup_logging(False)
     prefix = _on_off(native_prefix)
     from shared.artifacts import store
-    from shared.codecs import CODECS, CodecContext
+    from shared.codecs import CODECS, CodecContext, check_settings
     from shared.codecs.scd import PairArtifacts
     from shared.errors import SCDError
     from shared.model.fingerprint import weights_fingerprint
@@ -148,6 +148,11 @@ def eval_(
         if meth not in names:
             raise typer.BadParameter(f"--param {p!r}: method {meth!r} is not in --methods {names}")
         params.setdefault(meth, {})[k] = value
+    for lab, (kind, vp) in variants.items():  # refused before the models load, as each request would be
+        try:
+            check_settings(kind, {**params.get(kind, {}), **vp})
+        except SCDError as e:
+            raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
     check_data(data_file)
     pm = pair_models(pair, device, dtype)
