@@ -15,6 +15,7 @@ from shared.config import (
     ServerSettings,
     ServiceSettings,
     check_consumer_names,
+    check_method_names,
 )
 from shared.rpc.security import SecuritySettings
 
@@ -76,6 +77,11 @@ class ConsumerSettings(ServiceSettings):
     """/metrics and /health over HTTP; off unless http.port is set."""
     security: SecuritySettings = SecuritySettings()
     bench: BenchSettings = BenchSettings()
+
+    @field_validator("methods")
+    @classmethod
+    def _method_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return check_method_names(v)
 
     @model_validator(mode="before")
     @classmethod

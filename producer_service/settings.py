@@ -17,6 +17,7 @@ from shared.config import (
     _Strict,
     check_consumer_names,
     check_grpc_target,
+    check_method_names,
 )
 from shared.rpc.security import SecuritySettings
 
@@ -86,6 +87,11 @@ class ProducerSettings(ServiceSettings):
     def _consumer_names(cls, v: dict) -> dict:
         check_consumer_names(*v)
         return v
+
+    @field_validator("methods")
+    @classmethod
+    def _method_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return check_method_names(v, allow=("auto",))
 
     @model_validator(mode="after")
     def _default_enabled(self):

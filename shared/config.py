@@ -58,6 +58,22 @@ def check_consumer_names(*names: str) -> None:
                          "'.', '_' and '-', starting with a letter or digit (requests name them; a comma fans out)")
 
 
+def check_method_names(methods, allow: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A settings ``methods`` list whose every name is a registered transfer method (or in ``allow``,
+    e.g. the producer's ``auto``), else ValueError naming the ones that are not."""
+    from shared.codecs import CODECS
+
+    known = [*CODECS, *allow]
+    bad = [m for m in methods if m not in known]
+    if bad:
+        what = "is not a transfer method" if len(bad) == 1 else "are not transfer methods"
+        hint = " (auto is the producer's choice: list the methods it may pick)" if "auto" in bad else ""
+        raise ValueError(f"{', '.join(map(repr, bad))} {what}{hint}; registered methods are {sorted(known)}")
+    if not methods:
+        raise ValueError(f"name at least one method, e.g. [raw, scd]; registered methods are {sorted(known)}")
+    return tuple(methods)
+
+
 def check_grpc_target(address: str, example: str = "consumer-strong:50052") -> str:
     """``address`` if gRPC can dial it as meant: HOST:PORT with a port 1-65535, or a target with its
     scheme (``dns:``, ``unix:``, ...); ValueError saying so otherwise (gRPC itself would take a

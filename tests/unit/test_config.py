@@ -181,3 +181,16 @@ def test_every_size_setting_takes_units():
     assert (p.prefill_cache_bytes, p.max_http_body_bytes, c.max_stream_bytes) == (2 << 30, 64 << 10, 1 << 30)
     with pytest.raises(ConfigError, match="max_stream_bytes: Input should be greater than or equal to 1048576"):
         ConsumerSettings.load(overrides=["max_stream_bytes=1KiB"], model={"path": "m"})
+
+
+@pytest.mark.parametrize("cls, value, match", [
+    (ProducerSettings, "[raw, bogus]", r"methods: 'bogus' is not a transfer method; registered methods are \['auto',"),
+    (ProducerSettings, "[]", "methods: name at least one method"),
+    (ConsumerSettings, "[raw, auto]", r"'auto' is not a transfer method \(auto is the producer's choice"),
+    (ConsumerSettings, "[raw, scd2, rwa]", "'scd2', 'rwa' are not transfer methods"),
+])
+def test_a_methods_list_naming_no_method_is_refused_with_the_settings(cls, value, match):
+    """With the other settings' problems, at load: not later, when the engine starts after loading its model."""
+    with pytest.raises(ConfigError, match=match):
+        cls.load(overrides=[f"methods={value}", "default_method=raw"] if cls is ProducerSettings else
+                 [f"methods={value}"], model={"path": "m"})
