@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import copy
 import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.errors import ConfigError
@@ -93,9 +103,7 @@ _UNIT = re.compile(r"^\s*([0-9.]+)\s*([A-Za-z]+)\s*$")
 def _byte_size(value: Any) -> Any:
     """``"2GiB"``, ``"512 MB"`` or ``1073741824`` -> bytes (an int); other input is left to the field's own
     int check. Binary units (KiB, MiB, GiB) are powers of 1024, decimal ones (KB, MB, GB) of 1000."""
-    if isinstance(value, bool):
-        raise ValueError(f"{str(value).lower()} is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB")
-    if not isinstance(value, str):
+    if not isinstance(value, str):  # a YAML boolean arrives here as text (booleans_are_not_numbers)
         return value
     unit = _UNIT.match(value)
     if unit and unit.group(2).lower() in ("k", "m", "g", "t", "p", "e"):  # Docker's 2g is GiB, pydantic's GB
@@ -111,8 +119,31 @@ Bytes = Annotated[int, BeforeValidator(_byte_size)]
 """A size setting: a number of bytes, or one with a unit (``2GiB``, ``512MB``)."""
 
 
+def _number_only(annotation) -> bool:
+    """A field that takes a number and neither a boolean, a string nor anything else (None aside)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    args = tuple(a for a in args if a is not type(None))
+    return bool(args) and all(a in (int, float) for a in args)
+
+
+def booleans_are_not_numbers(cls: type[BaseModel], data: Any) -> Any:
+    """For a ``mode="before"`` model validator: pydantic reads ``true`` as 1 for an int or float field,
+    so ``max_concurrent: yes`` (YAML's boolean) would serve one request at a time. Such a value is
+    handed to the field as the text it was written as, which its own check refuses with the others."""
+    if isinstance(data, dict):
+        fields = cls.model_fields
+        return {k: str(v).lower() if isinstance(v, bool) and k in fields and _number_only(fields[k].annotation)
+                else v for k, v in data.items()}
+    return data
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data: Any) -> Any:
+        return booleans_are_not_numbers(cls, data)
 
 
 class ModelSettings(_Strict):
@@ -161,6 +192,11 @@ class ServiceSettings(BaseSettings):
     """Base of ProducerSettings/ConsumerSettings: file < environment < flags."""
 
     model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data: Any) -> Any:
+        return booleans_are_not_numbers(cls, data)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

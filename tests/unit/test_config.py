@@ -167,7 +167,7 @@ def test_sizes_take_units(monkeypatch, value, expected):
     ("lots", "'lots' is not a size in bytes; write e.g. 1073741824, 512MiB or 2GiB"),
     ("2Gi", "not a size in bytes"),
     ("-1GiB", "not a size in bytes"),
-    ("true", "true is not a size in bytes"),
+    ("true", "'true' is not a size in bytes"),
     ("-1", "greater than or equal to 0"),
 ])
 def test_sizes_that_are_not_say_how_to_write_one(value, match):
@@ -194,3 +194,34 @@ def test_a_methods_list_naming_no_method_is_refused_with_the_settings(cls, value
     with pytest.raises(ConfigError, match=match):
         cls.load(overrides=[f"methods={value}", "default_method=raw"] if cls is ProducerSettings else
                  [f"methods={value}"], model={"path": "m"})
+
+
+def test_a_yaml_boolean_is_no_number(tmp_path):
+    """pydantic reads true as 1: `max_concurrent: yes` would have served one request at a time. Every
+    such setting is named at once, nested ones included; booleans still set boolean settings."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: m}\nmax_concurrent: yes\nframe_timeout_s: true\nserver: {port: on}\nmax_queue: 3\n"
+                 "cache_budget_bytes: true\nbench: {hold_layers: true}\n")
+    with pytest.raises(ConfigError) as e:
+        ConsumerSettings.load(f)
+    said = str(e.value)
+    for field in ("max_concurrent: Input should be a valid integer", "frame_timeout_s: Input should be a valid number",
+                  "server.port: Input should be a valid integer", "cache_budget_bytes: 'true' is not a size"):
+        assert field in said, said
+    assert "max_queue" not in said
+    with pytest.raises(ConfigError, match="consumers.a.link_mbps: Input should be a valid number"):
+        ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=true"], model={"path": "m"})
+    assert ConsumerSettings.load(overrides=["bench.hold_layers=true"], model={"path": "m"}).bench.hold_layers is True
+
+
+@pytest.mark.parametrize("kind, params, match", [
+    ("scd", {"block_tokens": "true"}, "block_tokens: Input should be a valid number"),
+    ("quant", {"residual": "yes", "group_size": True}, "group_size: Input should be a valid integer"),
+    ("auto", {"time_tolerance": True}, "time_tolerance: Input should be a valid number"),
+])
+def test_a_method_setting_that_takes_a_number_takes_no_boolean(kind, params, match):
+    from shared.codecs import check_settings
+    from shared.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=match):
+        check_settings(kind, params)

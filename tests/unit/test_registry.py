@@ -411,7 +411,9 @@ def test_outputs_are_checked_before_the_work_that_fills_them(home, tmp_path, com
 
 @pytest.mark.parametrize("setting, said_", [("bogus=1", "--set bogus: not a known setting"),
                                             ("r_kv=-1", "--set r_kv: Input should be greater than or equal to 1"),
-                                            ("tolerance=abc", "--set tolerance: Input should be a valid number")])
+                                            ("tolerance=abc", "--set tolerance: Input should be a valid number"),
+                                            ("r_kv=true", "--set r_kv: Input should be a valid integer"),  # not 1
+                                            ("bytes_target=yes", "--set bytes_target: Input should be a valid number")])
 def test_calibration_settings_are_refused_one_line_each_before_any_model_loads(home, setting, said_):
     res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--set", setting])
     assert res.exit_code == 2 and "invalid calibration settings:" in res.output and said_ in res.output, res.output

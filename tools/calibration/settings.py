@@ -3,13 +3,20 @@ model is loaded, recorded in the artifacts' metadata."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.config import booleans_are_not_numbers
 
 
 class CalibrationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data: Any) -> Any:
+        return booleans_are_not_numbers(cls, data)
 
     pair: str
     n_prompts: int = Field(64, ge=2)
