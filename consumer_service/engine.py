@@ -66,6 +66,7 @@ class TransferRecord:
     counts the wire bytes that arrived."""
 
     method: str = "unknown"
+    request_id: str = ""
     fallback: str = ""
     schema: Callable[[int], Schema] | None = None
     bytes_in: int = 0

@@ -15,6 +15,7 @@ from shared.codecs import CODECS
 from shared.config import BENCH_HOLD_METADATA
 from shared.domain import HeaderReceived
 from shared.errors import InvalidPayload
+from shared.metrics import log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
@@ -39,6 +40,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
                 ev = dec.feed(frame)
                 if isinstance(ev, HeaderReceived):
                     record.method = ev.header.method if ev.header.method in CODECS else "unknown"
+                    record.request_id = ev.header.request_id
                 size = frame.ByteSize()
                 if record.data_from is None and not isinstance(ev, HeaderReceived) and frame.HasField("chunk"):
                     record.data_from = time.perf_counter()  # the stream's data begins (the producer has prefilled)
@@ -61,11 +63,13 @@ class ConsumerServicer(pbg.ConsumerServicer):
         md = dict(context.invocation_metadata() or ())
         hold = s.bench.hold_layers and md.get(BENCH_HOLD_METADATA) == "1"
         deadline = time.time() + (context.time_remaining() or s.max_queue_wait_s + s.frame_timeout_s * 4)
-        outcome = "cancelled"
+        outcome, t0, first, last = "cancelled", time.perf_counter(), None, None
         try:
             events = self.engine.transfer(self._events(request_iterator, record), deadline, record, hold)
             async with contextlib.aclosing(events):
                 async for ev in events:
+                    first = first or time.perf_counter()
+                    last = ev.timings or last
                     yield convert.event_to_pb(ev)
             outcome = "ok"
         except Exception as e:
@@ -76,6 +80,13 @@ class ConsumerServicer(pbg.ConsumerServicer):
             raise
         finally:
             self.metrics.requests.labels(record.method, outcome, record.fallback or "none").inc()
+            if s.access_log:
+                log_request(record.request_id or "-", method=record.method, outcome=outcome,
+                            fallback=record.fallback or "none", prompt_tokens=last.prompt_tokens if last else "-",
+                            completion_tokens=last.completion_tokens if last else "-",
+                            ttft_ms=(first - t0) * 1e3 if first else "-", bytes_in=record.bytes_in,
+                            reconstruct_ms=last.reconstruct_ms if last else "-",
+                            total_ms=(time.perf_counter() - t0) * 1e3)
 
     async def Info(self, request, context):
         e = self.engine

@@ -75,6 +75,9 @@ class ConsumerSettings(ServiceSettings):
     """Uncompressed payload bytes one stream may carry; past it the stream is refused."""
     http: HTTPSettings = HTTPSettings()
     """/metrics and /health over HTTP; off unless http.port is set."""
+    access_log: bool = True
+    """One INFO line per finished request on the ``scd.access`` logger (its id, consumer, method,
+    outcome, tokens, time to first token, bytes): ``request=ID key=value ...``."""
     security: SecuritySettings = SecuritySettings()
     bench: BenchSettings = BenchSettings()
 

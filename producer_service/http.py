@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from typing import Any
 
 import grpc
@@ -25,6 +24,7 @@ from producer_service.openai_api import (
     ChatBody,
     CompletionBody,
     chat_ids,
+    client_request_id,
     prompt_ids,
     to_request,
     validation_message,
@@ -142,8 +142,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                                   f"unknown model {clip(name)}; this producer serves {sorted(s.consumers)}")
         return _model(name)
 
-    async def run(body: Body, ids: list[int], chat: bool):
-        req = to_request(body, ids)
+    async def run(body: Body, ids: list[int], chat: bool, request_id: str):
+        req = to_request(body, ids, request_id)
         rid = ("chatcmpl-" if chat else "cmpl-") + req.request_id
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -218,17 +218,17 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def fan_out(body: Body, names: list[str], ids: list[list[int]], chat: bool):
+    async def fan_out(body: Body, names: list[str], ids: list[list[int]], chat: bool, request_id: str):
         """One prompt to several consumers (``model: "a,b"``): the requests run concurrently and the
         producer shares one base prefill between them. Choice ``i`` is consumer ``names[i]`` (its
         name in the choice's ``model``); a consumer that fails gets ``finish_reason: "error"`` and
         an OpenAI-style ``error`` in its choice, the others still answer."""
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + request_id
         created = int(time.time())
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(i: int, name: str):
-            req = to_request(body.model_copy(update={"model": name}), ids[i])
+            req = to_request(body.model_copy(update={"model": name}), ids[i], request_id)  # one id, per consumer
             try:
                 async with contextlib.aclosing(servicer.generate(req, None)) as events:
                     async for ev in events:
@@ -315,7 +315,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def handle(body, encode, chat: bool):
+    async def handle(body, encode, chat: bool, request_id: str):
         """The prompt encoded with the consumer's format (errors as OpenAI-style 4xx), then the run;
         ``model: "a,b"`` fans it out to several consumers."""
         try:
@@ -328,18 +328,23 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                 if unknown:
                     raise NotFound(f"unknown consumer(s) {unknown}; this producer knows {sorted(s.consumers)}")
                 return await fan_out(body, names, [encode(eng.prompt_format(n), body, s.max_prompt_chars)
-                                                   for n in names], chat)
+                                                   for n in names], chat, request_id)
             ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return error_response(*status_for(e))
-        return await run(body, ids, chat)
+        return await run(body, ids, chat, request_id)
 
     async def answer(request: Request, body, encode, chat: bool) -> Response:
         """``handle``, called off when the client hangs up before the response begins: a
         non-streamed answer (or a stream still before its first token) would otherwise be
         generated to its end for nobody, holding the consumer's slot. Once a stream has begun,
-        its response notices the hang-up itself."""
-        work = asyncio.ensure_future(handle(body, encode, chat))
+        its response notices the hang-up itself. The response carries the request's id
+        (``X-Request-Id``: the client's own, else a new one)."""
+        try:
+            rid = client_request_id(request.headers.get("x-request-id"))
+        except InvalidRequest as e:
+            return error_response(*status_for(e))
+        work = asyncio.ensure_future(handle(body, encode, chat, rid))
         gone = asyncio.ensure_future(_hung_up(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -350,7 +355,9 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             return Response(status_code=CLIENT_CLOSED)  # nobody is there to read it
-        return work.result()
+        response = work.result()
+        response.headers["x-request-id"] = rid
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from shared.config import field_errors
 from shared.domain import GenerateRequest, SamplingRequest
-from shared.errors import InvalidRequest
+from shared.errors import MAX_ID_CHARS, InvalidRequest, clip
 
 U32 = 2**32
 TokenId = Annotated[int, Field(ge=0, lt=U32)]
@@ -198,12 +198,22 @@ def chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
     return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
 
 
-def to_request(body: Body, ids: list[int]) -> GenerateRequest:
+def client_request_id(header: str | None) -> str:
+    """The request's id: the client's ``X-Request-Id`` (1-128 printable ASCII characters: it is sent
+    back, shown in both services' request logs and in the response's ``id``), else a new one."""
+    if header is None:
+        return uuid.uuid4().hex
+    if not (0 < len(header) <= MAX_ID_CHARS and header.isascii() and header.isprintable()):
+        raise InvalidRequest(f"X-Request-Id must be 1-{MAX_ID_CHARS} printable ASCII characters; got {clip(header)}")
+    return header
+
+
+def to_request(body: Body, ids: list[int], request_id: str = "") -> GenerateRequest:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return GenerateRequest(
         prompt=tuple(ids), consumer=body.model, method=body.method,
         method_params={k: v if isinstance(v, str) else json.dumps(v) for k, v in body.method_params.items()},
-        native_prefix=body.native_prefix, request_id=uuid.uuid4().hex,
+        native_prefix=body.native_prefix, request_id=request_id or uuid.uuid4().hex,
         sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
                                  temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed),
     )

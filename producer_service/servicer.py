@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -17,7 +18,7 @@ from producer_service.engine import ProducerEngine, StreamStats
 from shared.config import BENCH_HOLD_METADATA
 from shared.domain import GenerateRequest, TokenEvent
 from shared.errors import PeerError
-from shared.metrics import Metrics
+from shared.metrics import Metrics, log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.errors import grpc_errors, status_for
@@ -121,13 +122,18 @@ class ProducerServicer(pbg.ProducerServicer):
         cancels the consumer's call, which frees the request there."""
         m = self.metrics
         m.inflight.inc()
+        if not request.request_id:  # one id for the stream, the consumer's log and the request log
+            request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
         method, outcome, fallback = request.method or self.engine.settings.default_method, "cancelled", "none"
         if method not in self.engine.settings.methods:
             method = "unknown"
+        t0, first, last = time.perf_counter(), None, None
         try:
             async for ev in self._generate(request, time_remaining, hold):
-                if ev.timings is not None and ev.timings.fallback_recompute:
-                    fallback = "recompute"
+                first = first or time.perf_counter()
+                if ev.timings is not None:
+                    last = ev.timings
+                    fallback = "recompute" if last.fallback_recompute else fallback
                 yield ev
             outcome = "ok"
         except Exception as e:
@@ -136,13 +142,19 @@ class ProducerServicer(pbg.ProducerServicer):
         finally:
             m.inflight.dec()
             m.requests.labels(method, outcome, fallback).inc()
+            if self.engine.settings.access_log:
+                log_request(request.request_id, consumer=request.consumer, method=last.method if last else method,
+                            outcome=outcome, prompt_tokens=last.prompt_tokens if last else "-",
+                            completion_tokens=last.completion_tokens if last else "-",
+                            ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=last.wire_bytes if last else "-",
+                            total_ms=(time.perf_counter() - t0) * 1e3)
 
     async def _generate(self, request: GenerateRequest, time_remaining: float | None, hold: bool):
         eng, m = self.engine, self.metrics
         t0, t0_unix = time.perf_counter(), time.time()
         p = eng.prepare(request)
         remaining = min(time_remaining or eng.settings.default_deadline_s, eng.settings.max_deadline_s)
-        header = eng.header(p, request.request_id or uuid.uuid4().hex, t0_unix + remaining)
+        header = eng.header(p, request.request_id, t0_unix + remaining)
         totals, stats = StreamTotals(), StreamStats()
         sent = {"trailer": 0}
         failed: list[Exception] = []

@@ -79,6 +79,9 @@ class ProducerSettings(ServiceSettings):
     consumer reads all three."""
     max_http_body_bytes: Bytes = Field(1 << 20, ge=1024)
     """HTTP request bodies larger than this are refused (413) before they are parsed."""
+    access_log: bool = True
+    """One INFO line per finished request on the ``scd.access`` logger (its id, consumer, method,
+    outcome, tokens, time to first token, bytes): ``request=ID key=value ...``."""
     security: SecuritySettings = SecuritySettings()
     bench: BenchSettings = BenchSettings()
 

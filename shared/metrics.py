@@ -3,6 +3,9 @@ tests, never collide). Names are ``scd_<service>_...``; see docs/operations.md f
 
 from __future__ import annotations
 
+import json
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -65,3 +68,23 @@ class Metrics:
         """Current value of one sample (0.0 when it was never set), e.g. ``value("inflight_requests")``."""
         v = self.registry.get_sample_value(f"scd_{self.service}_{name}", labels)
         return 0.0 if v is None else v
+
+
+ACCESS_LOG = "scd.access"
+"""The logger of the request log: one INFO line per finished request (settings ``access_log``)."""
+
+
+def log_request(request_id: str, **fields) -> None:
+    """One line, ``request=ID key=value ...`` (logfmt): a value with a space or a quote is quoted."""
+    log = logging.getLogger(ACCESS_LOG)
+    if not log.isEnabledFor(logging.INFO):
+        return
+
+    def value(v) -> str:
+        if isinstance(v, float):
+            v = f"{v:.1f}"
+        v = str(v)
+        v = v if len(v) <= 128 else v[:128] + "..."  # a request's own text, bounded
+        return json.dumps(v) if not v or any(c in v for c in ' "=') or not v.isprintable() else v
+
+    log.info("request=%s %s", value(request_id), " ".join(f"{k}={value(v)}" for k, v in fields.items()))

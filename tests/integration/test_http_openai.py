@@ -93,3 +93,47 @@ def test_the_consumers_http_side_answers_unknown_routes_the_same_way(svc):
     err = r.json()["error"]
     assert r.status_code == 404 and "is not served here; this server serves GET /health, GET /metrics" in err["message"]
     assert err["code"] == "NOT_FOUND"
+
+
+def _access(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "scd.access"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_clients_request_id_is_sent_back_and_logged_by_both_services(svc, caplog, stream):
+    """X-Request-Id: echoed, the response's id, and the id of the producer's and the consumer's request
+    log lines (one line each, with the outcome and the tokens)."""
+    caplog.set_level("INFO", logger="scd.access")
+    r = httpx.post(http(svc) + "/v1/completions", headers={**H, "X-Request-Id": "trace-42/a"}, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2, "stream": stream})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42/a", r.text[:300]
+    assert '"id": "cmpl-trace-42/a"' in r.text if stream else r.json()["id"] == "cmpl-trace-42/a"
+    lines = [x for x in _access(caplog) if x.startswith("request=trace-42/a ")]
+    assert len(lines) == 2, _access(caplog)  # the producer's and the consumer's
+    producer = next(x for x in lines if "consumer=chat" in x)
+    assert "method=raw outcome=ok" in producer and "completion_tokens=2" in producer, producer
+    consumer = next(x for x in lines if "consumer=" not in x)
+    assert "outcome=ok" in consumer and "completion_tokens=2" in consumer and "bytes_in=" in consumer, consumer
+
+
+def test_without_a_request_id_one_is_made_and_a_bad_one_is_refused(svc, caplog):
+    caplog.set_level("INFO", logger="scd.access")
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2})
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 200 and len(rid) == 32 and r.json()["id"] == "cmpl-" + rid
+    assert any(x.startswith(f"request={rid} ") for x in _access(caplog)), _access(caplog)
+    for bad in ("x" * 129, "tab\there", "é"):
+        r = httpx.post(http(svc) + "/v1/completions", headers={**H, "X-Request-Id": bad.encode("latin-1")},
+                       timeout=60, json={"model": "chat", "prompt": "hi there", "max_tokens": 2})
+        assert r.status_code == 400 and "X-Request-Id must be 1-128 printable ASCII characters" in \
+            r.json()["error"]["message"], r.text[:300]
+
+
+def test_a_failed_request_is_logged_with_its_outcome(svc, caplog):
+    caplog.set_level("INFO", logger="scd.access")
+    r = httpx.post(http(svc) + "/v1/completions", headers={**H, "X-Request-Id": "no-such"}, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2, "method": "droidspeek"})
+    assert r.status_code == 404 and r.headers["x-request-id"] == "no-such"
+    assert any(x.startswith("request=no-such consumer=chat method=unknown outcome=not_found")
+               for x in _access(caplog)), _access(caplog)

@@ -13,9 +13,15 @@ import typer
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool, service: bool = False) -> None:
+    """WARNING and above (INFO with ``verbose``); a ``service`` also logs its requests (``scd.access``,
+    one line each, when its ``access_log`` setting is on) and stamps every line with the time."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format=("%(asctime)s " if service else "") + "%(levelname)s %(name)s: %(message)s")
+    if service:
+        from shared.metrics import ACCESS_LOG
+
+        logging.getLogger(ACCESS_LOG).setLevel(logging.INFO)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -102,7 +102,7 @@ def serve_consumer(
     host: Host = None, port: Port = None, config: Config = None, set_: Sets = [], verbose: Verbose = False,  # noqa: B006
 ) -> None:
     """Serve a consumer: receives cache streams, reconstructs layer by layer, decodes."""
-    setup_logging(verbose)
+    setup_logging(verbose, service=True)
     from consumer_service.server import build_server, load_engine
     from consumer_service.settings import ConsumerSettings
 
@@ -150,7 +150,7 @@ def serve_producer(
     host: Host = None, port: Port = None, config: Config = None, set_: Sets = [], verbose: Verbose = False,  # noqa: B006
 ) -> None:
     """Serve the producer: prefills with the base model and streams the cache to consumers."""
-    setup_logging(verbose)
+    setup_logging(verbose, service=True)
     from producer_service.server import build_server, load_engine
     from producer_service.settings import ProducerSettings
 
