@@ -67,7 +67,8 @@ def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_toke
         item = data.load("qa", "test", fmt=fmt)[item_index]
     cport, pport = free_port(), free_port()
     exe = [sys.executable, "-m", "tools.cli", "serve"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PRODUCER__ACCESS_LOG="false",  # the demo prints its own table;
+               CONSUMER__ACCESS_LOG="false")  # request log lines would land inside the streamed answers
     procs = [subprocess.Popen(exe + ["consumer", "--pair", pair, "--port", str(cport)], env=env)]
     results = {}
     try:
