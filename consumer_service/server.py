@@ -34,6 +34,7 @@ def build_server(engine: ConsumerEngine) -> GRPCServer:
     server = GRPCServer(lambda srv: pbg.add_ConsumerServicer_to_server(servicer, srv), s.server.host, s.server.port,
                         ["scd.v1.Consumer"], interceptors, s.security.server_credentials())
     server.servicer = servicer
+    server.on_grace_expired.append(servicer.shed_inflight)
     server.http = None
     if s.http.port is not None:
         from shared.rpc.http import HTTPServer, metrics_app

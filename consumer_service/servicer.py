@@ -4,6 +4,7 @@ messages, and counts frames and outcomes; errors map to status codes (``grpc_err
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -14,7 +15,7 @@ from consumer_service.engine import ConsumerEngine, TransferRecord
 from shared.codecs import CODECS
 from shared.config import BENCH_HOLD_METADATA
 from shared.domain import HeaderReceived
-from shared.errors import InvalidPayload
+from shared.errors import InvalidPayload, NotReady
 from shared.metrics import log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2 as pb
@@ -29,6 +30,15 @@ class ConsumerServicer(pbg.ConsumerServicer):
     def __init__(self, engine: ConsumerEngine):
         self.engine = engine
         self.metrics, self.admission = engine.metrics, engine.admission
+        self._active: set[asyncio.Task] = set()  # the tasks serving a Transfer
+        self._shed: set[asyncio.Task] = set()  # ... that shed_inflight() ended
+
+    async def shed_inflight(self) -> None:
+        """End every request in flight with UNAVAILABLE ("shutting down; retry"), its memory and slot
+        freed: called when a stopping server's grace is over (gRPC would cancel them without a word)."""
+        for task in list(self._active):
+            self._shed.add(task)
+            task.cancel()
 
     async def _events(self, request_iterator, record: TransferRecord):
         """The request's frames as typed stream events; inner chunks of a layer yield nothing."""
@@ -64,6 +74,9 @@ class ConsumerServicer(pbg.ConsumerServicer):
         hold = s.bench.hold_layers and md.get(BENCH_HOLD_METADATA) == "1"
         deadline = time.time() + (context.time_remaining() or s.max_queue_wait_s + s.frame_timeout_s * 4)
         outcome, t0, first, last = "cancelled", time.perf_counter(), None, None
+        task = asyncio.current_task()
+        if task is not None:
+            self._active.add(task)
         try:
             events = self.engine.transfer(self._events(request_iterator, record), deadline, record, hold)
             async with contextlib.aclosing(events):
@@ -72,6 +85,14 @@ class ConsumerServicer(pbg.ConsumerServicer):
                     last = ev.timings or last
                     yield convert.event_to_pb(ev)
             outcome = "ok"
+        except asyncio.CancelledError:
+            if task is None or task not in self._shed:
+                raise
+            task.uncancel()
+            outcome = "unavailable"
+            message = "the consumer is shutting down (its grace period is over); retry the request"
+            yield pb.TokenEvent(error=pb.ErrorStatus(code="UNAVAILABLE", message=message))
+            raise NotReady(message) from None
         except Exception as e:
             code, message = status_for(e)
             outcome = code.name.lower()
@@ -79,6 +100,8 @@ class ConsumerServicer(pbg.ConsumerServicer):
                 yield pb.TokenEvent(error=pb.ErrorStatus(code=code.name, message=message))
             raise
         finally:
+            self._active.discard(task)  # type: ignore[arg-type]
+            self._shed.discard(task)  # type: ignore[arg-type]
             self.metrics.requests.labels(record.method, outcome, record.fallback or "none").inc()
             if s.access_log:
                 log_request(record.request_id or "-", method=record.method, outcome=outcome,

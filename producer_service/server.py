@@ -36,6 +36,7 @@ def build_server(engine: ProducerEngine) -> tuple[GRPCServer, ProducerServicer]:
         servicer.start_probes(server.health)
 
     server.on_start.append(probes)
+    server.on_grace_expired.append(servicer.shed_inflight)
     server.http = None
     if s.http.port is not None:
         from producer_service.http import make_app

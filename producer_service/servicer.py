@@ -17,7 +17,7 @@ import grpc
 from producer_service.engine import ProducerEngine, StreamStats
 from shared.config import BENCH_HOLD_METADATA
 from shared.domain import GenerateRequest, TokenEvent
-from shared.errors import PeerError
+from shared.errors import NotReady, PeerError
 from shared.metrics import Metrics, log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2_grpc as pbg
@@ -45,6 +45,16 @@ class ProducerServicer(pbg.ProducerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._probe: asyncio.Task | None = None
         self.consumers_ready: dict[str, bool] = {}  # the last probe's results (empty: not probed yet)
+        self._calls: set = set()  # consumer calls in flight
+        self._shed: set = set()  # ... that shed_inflight() ended
+
+    async def shed_inflight(self) -> None:
+        """End every request in flight with UNAVAILABLE ("shutting down; retry"): called when a
+        stopping server's grace is over, so that each client gets an answer it can act on rather
+        than a connection cut mid-response."""
+        for call in list(self._calls):
+            self._shed.add(call)
+            call.cancel()
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -173,6 +183,7 @@ class ProducerServicer(pbg.ProducerServicer):
 
         md = self._peer_md + (((BENCH_HOLD_METADATA, "1"),) if hold else ())
         call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining, metadata=md or None)
+        self._calls.add(call)
         kind = p.method.kind
         if p.auto is not None:
             m.auto_choices.labels(request.consumer, p.auto.label).inc()
@@ -199,6 +210,9 @@ class ProducerServicer(pbg.ProducerServicer):
         except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
             if failed:
                 raise failed[0] from None
+            task = asyncio.current_task()
+            if call in self._shed and not (task and task.cancelling()):
+                raise NotReady("the producer is shutting down (its grace period is over); retry the request") from None
             if isinstance(e, asyncio.CancelledError):
                 raise
             code = e.code()
@@ -208,6 +222,8 @@ class ProducerServicer(pbg.ProducerServicer):
             raise PeerError(code.name, f"consumer {request.consumer!r}: {msg}") from None
         finally:
             call.cancel()
+            self._calls.discard(call)
+            self._shed.discard(call)
             m.frames.labels(kind).inc(1 + totals.n_chunks + sent["trailer"])  # header, chunks, trailer
             m.wire_bytes.labels(kind).inc(totals.wire_bytes)
             m.consumer_bytes.labels(request.consumer).inc(totals.wire_bytes)

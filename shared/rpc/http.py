@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from typing import Any
 
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shared.errors import clip
 from shared.metrics import CONTENT_TYPE, Metrics
 from shared.rpc.security import SecuritySettings, token_ok
+from shared.rpc.server import GRACE_MARGIN_S
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 412,
@@ -143,7 +145,7 @@ class HTTPServer:
             if s.tls_client_ca:
                 kw.update(ssl_ca_certs=s.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         cfg = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                             timeout_graceful_shutdown=max(1, int(self.grace_s)), **kw)
+                             timeout_graceful_shutdown=math.ceil(self.grace_s + GRACE_MARGIN_S), **kw)
         self._server = _Server(cfg)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         for _ in range(500):  # bounded wait for start-up (5 s)
@@ -161,7 +163,7 @@ class HTTPServer:
             return
         self._server.should_exit = True
         try:
-            await asyncio.wait_for(self._task, self.grace_s + 5)
+            await asyncio.wait_for(self._task, self.grace_s + GRACE_MARGIN_S + 5)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping anyway
             self._task.cancel()
         self._server = None

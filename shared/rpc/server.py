@@ -97,6 +97,10 @@ class DecodeErrorsInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
 
 
+GRACE_MARGIN_S = 2.0
+"""Time the requests still in flight when the grace is over get to send their last answer."""
+
+
 class GRPCServer:
     """``start()`` binds and serves (returns the port); ``stop(grace)`` drains and stops."""
 
@@ -109,7 +113,8 @@ class GRPCServer:
         self.servicer: object = None  # the service's servicer (tests inspect its metrics and admission)
         self.http: Any = None  # the HTTP front (shared.rpc.http.HTTPServer) when http.port is set
         self.on_start: list = []  # coroutine functions run once the gRPC server serves (e.g. an HTTP front)
-        self.on_stop: list = []  # coroutine functions run after the gRPC server stopped
+        self.on_stop: list = []  # coroutine functions that stop with it, given the same grace (an HTTP front)
+        self.on_grace_expired: list = []  # coroutine functions run when the grace is over and requests remain
 
     async def start(self) -> int:
         # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
@@ -135,12 +140,19 @@ class GRPCServer:
         return self.port
 
     async def stop(self, grace: float) -> None:
+        """New requests are refused at once, on gRPC and on the fronts in ``on_stop``; requests in
+        flight get ``grace`` seconds, then ``on_grace_expired`` ends them with an answer (the
+        producer's say why), a little before the servers would cut them off."""
         if self.server is None:
             return
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-        for fn in self.on_stop:
-            await fn()
+        stops = asyncio.ensure_future(asyncio.gather(self.server.stop(grace + GRACE_MARGIN_S),
+                                                     *(fn() for fn in self.on_stop)))
+        done, _ = await asyncio.wait({stops}, timeout=grace)
+        if not done:
+            for fn in self.on_grace_expired:
+                await fn()
+        await stops
 
     async def serve_until_signal(self, grace: float) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully."""

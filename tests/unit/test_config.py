@@ -48,6 +48,24 @@ def test_compose_wires_the_two_containers():
     assert "store" in compose["volumes"]
 
 
+def test_the_orchestrators_wait_out_the_services_grace():
+    """SIGTERM gives requests in flight server.grace_s, then GRACE_MARGIN_S to send their last answer:
+    the container runtime must not kill the process before (Docker's default stop timeout is 10 s)."""
+    from shared.rpc.server import GRACE_MARGIN_S
+
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    for name, cls, file in (("producer", ProducerSettings, "producer.yaml"),
+                            ("consumer-strong", ConsumerSettings, "consumer.yaml")):
+        grace = cls.load(DEPLOY / file).server.grace_s
+        assert float(compose["services"][name]["stop_grace_period"].rstrip("s")) > grace + GRACE_MARGIN_S, name
+    for manifest in ("scd-serve.yaml", "scd-serve-cpu.yaml"):
+        docs = list(yaml.safe_load_all((DEPLOY / "k8s" / manifest).read_text()))
+        cm = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+        graces = [yaml.safe_load(cm[f])["server"]["grace_s"] for f in ("producer.yaml", "consumer.yaml")]
+        for d in (d for d in docs if d["kind"] == "Deployment"):
+            assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > max(graces) + GRACE_MARGIN_S
+
+
 def test_env_beats_file_and_flags_beat_env(monkeypatch):
     monkeypatch.setenv("CONSUMER__MAX_NEW_TOKENS", "77")
     assert ConsumerSettings.load(DEPLOY / "consumer.yaml").max_new_tokens == 77
