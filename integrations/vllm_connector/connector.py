@@ -18,13 +18,14 @@ cache, strips RoPE, encodes with the registered method and sends its frames whil
 
 Consumer role (the fine-tune's engine): ``listen`` (the receiver's ``host:port``), ``methods``,
 ``artifacts``, ``producer_fingerprint`` (optional; else the artifacts' own), ``max_held_bytes``,
-``ttl_s``, ``load_timeout_s``. The worker runs the receiver (``transfers.Receiver``); the scheduler asks
-it (``Lookup``) for the longest block-aligned prefix of a new prompt it holds and reports those tokens
-as already computed; the forward pass waits per layer (``wait_for_layer_load``) for that layer's
-decoded K/V and writes them into the paged cache: the transfer overlaps the consumer's forward. A
-transfer that fails (a checksum, a refused header, a timeout) reports its blocks
-(``get_block_ids_with_load_errors``), and with ``kv_load_failure_policy: recompute`` vLLM recomputes
-them; the step's output for that request is discarded, so no token ever comes from a bad cache.
+``ttl_s``, ``frame_timeout_s`` (``settings.py``: every key is checked at start). The worker runs the
+receiver (``transfers.Receiver``); the scheduler asks it (``Lookup``) for the longest block-aligned
+prefix of a new prompt it holds and reports those tokens as already computed; the forward pass waits
+per layer (``wait_for_layer_load``) for that layer's decoded K/V and writes them into the paged
+cache: the transfer overlaps the consumer's forward. A transfer that fails (a checksum, a refused
+header, a timeout) reports its blocks (``get_block_ids_with_load_errors``), and with
+``kv_load_failure_policy: recompute`` vLLM recomputes them; the step's output for that request is
+discarded, so no token ever comes from a bad cache.
 
 Both roles write their counters to ``stats_file`` (JSON) when it is set. One worker per engine
 (tensor parallelism 1) and prefills in one step (no chunked prefill of a transferred prompt).
@@ -52,8 +53,8 @@ from vllm.logger import init_logger
 
 from integrations.vllm_connector import paged
 from integrations.vllm_connector.engine_model import EngineModel
+from integrations.vllm_connector.settings import ConsumerExtra, ProducerExtra, parse_extra
 from integrations.vllm_connector.transfers import (
-    SUPPORTED,
     Outgoing,
     Receiver,
     TransferFailed,
@@ -128,14 +129,14 @@ class SCDConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
-        self.extra: dict[str, Any] = dict(tc.kv_connector_extra_config or {})
         self.producer = tc.kv_role == "kv_producer"
         if tc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"SCDConnector runs as kv_producer or kv_consumer; got kv_role={tc.kv_role!r}")
+        self.cfg = parse_extra(tc.kv_role, tc.kv_connector_extra_config)  # every key checked, for both roles
         self.block_size = vllm_config.cache_config.block_size
         self.stats: dict[str, int] = {}
         self._stats_lock = threading.Lock()
-        self._stats_file = self.extra.get("stats_file")
+        self._stats_file = self.cfg.stats_file
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -160,7 +161,8 @@ class SCDConnector(KVConnectorBase_V1):
         self._requested: dict[str, tuple[str, dict[str, str], str]] = {}  # req_id -> (method, params, consumer)
         self._lookup = None
         if not self.producer:
-            self._lookup = pbg.KVReceiverStub(grpc.insecure_channel(str(self.extra.get("listen", "127.0.0.1:50061"))))
+            assert isinstance(self.cfg, ConsumerExtra)
+            self._lookup = pbg.KVReceiverStub(grpc.insecure_channel(self.cfg.listen))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.producer:  # the producer computes every token; note a request's own method, if any
@@ -241,36 +243,33 @@ class SCDConnector(KVConnectorBase_V1):
         mc = vllm_config.model_config
         self.model = EngineModel(mc.hf_config, "cpu", mc.dtype)
         self.fingerprint = folder_fingerprint(mc.model)
-        self.timeout_s = float(self.extra.get("timeout_s", 60))
+        self.timeout_s = self.cfg.timeout_s
         self._kv: dict[str, torch.Tensor] = {}
         self._isa: str | None = None
         self._checked = False
         self._failed_blocks: set[int] = set()
         self._loads: list[tuple[LoadSpec, Any, torch.Tensor]] = []
         self._out: dict[str, tuple[SaveSpec, Outgoing, torch.Tensor]] = {}
-        if self.producer:
-            art = _artifacts(self.extra.get("artifacts"), "producer", None, self.fingerprint)
+        if isinstance(self.cfg, ProducerExtra):
+            art = _artifacts(self.cfg.artifacts, "producer", None, self.fingerprint)
             self.ctx = _context(self.model, art)
             self._methods: dict[tuple, Any] = {}
-            self.default = (str(self.extra.get("method", "raw")),
-                            {k: str(v) for k, v in dict(self.extra.get("method_params", {})).items()})
+            self.default = (self.cfg.method, self.cfg.params())
             self._method(*self.default)  # fail fast on the engine's own settings
-            self._consumers = {str(k): str(v) for k, v in dict(self.extra.get("consumers") or {}).items()}
-            self._default_consumer = str(self.extra.get("consumer", "127.0.0.1:50061"))
+            self._consumers = dict(self.cfg.consumers)
+            self._default_consumer = self.cfg.consumer
             self._channels: dict[str, grpc.Channel] = {}
         else:
-            methods = tuple(self.extra.get("methods", SUPPORTED))
-            producer_fp = self.extra.get("producer_fingerprint")
-            art = _artifacts(self.extra.get("artifacts"), "consumer", producer_fp, self.fingerprint)
+            c = self.cfg
+            producer_fp = c.producer_fingerprint
+            art = _artifacts(c.artifacts, "consumer", producer_fp, self.fingerprint)
             if art is not None and not producer_fp:
                 producer_fp = art.meta.producer_fingerprint
             self.ctx = _context(self.model, art)
-            self.receiver = Receiver(self.model, self.ctx, methods, producer_fp,
-                                     max_bytes=int(self.extra.get("max_held_bytes", 2 << 30)),
-                                     ttl_s=float(self.extra.get("ttl_s", 120)),
-                                     frame_timeout_s=float(self.extra.get("frame_timeout_s", 30)))
-            self._server, port = serve_receiver(self.receiver, str(self.extra.get("listen", "127.0.0.1:50061")))
-            log.info("SCD connector: receiver listening on port %d (methods %s)", port, list(methods))
+            self.receiver = Receiver(self.model, self.ctx, c.methods, producer_fp, max_bytes=c.max_held_bytes,
+                                     ttl_s=c.ttl_s, frame_timeout_s=c.frame_timeout_s)
+            self._server, port = serve_receiver(self.receiver, c.listen)
+            log.info("SCD connector: receiver listening on port %d (methods %s)", port, list(c.methods))
 
     def _method(self, kind: str, params: dict[str, str]):
         """The registered method ``kind`` with ``params``, made once (``SCDError`` when it cannot run here)."""
