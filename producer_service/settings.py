@@ -10,11 +10,11 @@ from pydantic_settings import SettingsConfigDict
 from shared.config import (
     BenchSettings,
     Bytes,
+    Checked,
     HTTPSettings,
     ModelSettings,
     ServerSettings,
     ServiceSettings,
-    _Strict,
     check_consumer_names,
     check_grpc_target,
     check_method_names,
@@ -22,7 +22,7 @@ from shared.config import (
 from shared.rpc.security import SecuritySettings
 
 
-class ConsumerEndpoint(_Strict):
+class ConsumerEndpoint(Checked):
     address: str = Field(..., min_length=3)
     """host:port of the consumer's gRPC server (or a gRPC target with its scheme: dns:, unix:, ...)."""
     artifacts: str | None = None

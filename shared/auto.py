@@ -29,11 +29,10 @@ import threading
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
-from shared.config import booleans_are_not_numbers, field_errors
+from shared.config import Checked, field_errors
 from shared.errors import InvalidRequest, PreconditionFailed
 
 DEFAULT_LINK_MBPS = 1000.0
@@ -43,14 +42,8 @@ MIN_SAMPLE_BYTES = 256 << 10
 """Transfers smaller than this are latency-bound: they say little about the link's rate."""
 
 
-class AutoSettings(BaseModel):
+class AutoSettings(Checked):
     """What a request may set for ``auto`` (its method parameters)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        return booleans_are_not_numbers(cls, data)
 
     link_mbps: float | None = Field(None, gt=0)
     """The link rate to plan for, Mbit/s (default: the consumer's setting, else measured)."""

@@ -137,7 +137,9 @@ def booleans_are_not_numbers(cls: type[BaseModel], data: Any) -> Any:
     return data
 
 
-class _Strict(BaseModel):
+class Checked(BaseModel):
+    """Base of the settings models: unknown keys refused, frozen, and no boolean taken for a number."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     @model_validator(mode="before")
@@ -146,7 +148,7 @@ class _Strict(BaseModel):
         return booleans_are_not_numbers(cls, data)
 
 
-class ModelSettings(_Strict):
+class ModelSettings(Checked):
     path: str
     """A Hugging Face model folder with safetensors weights, e.g. $SCD_HOME/models/smollm2-135m-instruct."""
     adapter: str | None = None
@@ -163,7 +165,7 @@ class ModelSettings(_Strict):
         return getattr(torch, self.dtype)
 
 
-class ServerSettings(_Strict):
+class ServerSettings(Checked):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     """0 picks a free port (printed at start-up)."""
@@ -171,14 +173,14 @@ class ServerSettings(_Strict):
     """Seconds in-flight requests get to finish on SIGTERM."""
 
 
-class HTTPSettings(_Strict):
+class HTTPSettings(Checked):
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=0, le=65535)
     """None disables the HTTP server; 0 picks a free port. Producer: the OpenAI-compatible front,
     /health and /metrics. Consumer: /health and /metrics."""
 
 
-class BenchSettings(_Strict):
+class BenchSettings(Checked):
     hold_layers: bool = False
     """Benchmarks only: honour a request's ``scd-bench-hold: 1`` gRPC metadata, which makes the producer
     encode every layer before it sends any and the consumer reconstruct only after the trailer (to time
@@ -188,15 +190,10 @@ class BenchSettings(_Strict):
 BENCH_HOLD_METADATA = "scd-bench-hold"
 
 
-class ServiceSettings(BaseSettings):
+class ServiceSettings(BaseSettings, Checked):
     """Base of ProducerSettings/ConsumerSettings: file < environment < flags."""
 
     model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        return booleans_are_not_numbers(cls, data)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

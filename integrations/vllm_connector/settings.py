@@ -4,25 +4,16 @@ being ignored or failing later. Imports no vLLM (tested in the project's own env
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator
 
 from integrations.vllm_connector.transfers import SUPPORTED, check_method
-from shared.config import Bytes, booleans_are_not_numbers, check_consumer_names, check_grpc_target, field_errors
+from shared.config import Bytes, Checked, check_consumer_names, check_grpc_target, field_errors
 from shared.errors import UnknownMethod
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
 
 
-class _Extra(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        return booleans_are_not_numbers(cls, data)
-
+class _Extra(Checked):
     artifacts: str | None = None
     """The pair's folder in the artifact store (``scd-reuse``)."""
     timeout_s: float = Field(60.0, gt=0)

@@ -18,24 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
 
-from shared.config import booleans_are_not_numbers
+from shared.config import Checked
 from shared.domain import Schema, TensorSpec
 from shared.errors import DataLoss, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        return booleans_are_not_numbers(cls, data)
-
-
-class MethodConfig(_Strict):
+class MethodConfig(Checked):
     """Base of every method's settings."""
 
     def fingerprint(self) -> str:

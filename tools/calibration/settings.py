@@ -3,20 +3,14 @@ model is loaded, recorded in the artifacts' metadata."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
-from shared.config import booleans_are_not_numbers
+from shared.config import Checked
 
 
-class CalibrationSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        return booleans_are_not_numbers(cls, data)
+class CalibrationSettings(Checked):
 
     pair: str
     n_prompts: int = Field(64, ge=2)
