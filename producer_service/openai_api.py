@@ -213,7 +213,7 @@ def to_request(body: Body, ids: list[int], request_id: str = "") -> GenerateRequ
     return GenerateRequest(
         prompt=tuple(ids), consumer=body.model, method=body.method,
         method_params={k: v if isinstance(v, str) else json.dumps(v) for k, v in body.method_params.items()},
-        native_prefix=body.native_prefix, request_id=request_id or uuid.uuid4().hex,
+        native_prefix=body.native_prefix, request_id=request_id,  # empty: the servicer makes one
         sampling=SamplingRequest(max_new_tokens=body.max_completion_tokens or body.max_tokens or 0,
                                  temperature=body.temperature, top_p=body.top_p, stop=tuple(stop), seed=body.seed),
     )

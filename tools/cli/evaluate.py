@@ -148,9 +148,10 @@ def eval_(
         if meth not in names:
             raise typer.BadParameter(f"--param {p!r}: method {meth!r} is not in --methods {names}")
         params.setdefault(meth, {})[k] = value
-    for lab, (kind, vp) in variants.items():  # refused before the models load, as each request would be
+    settings = {lab: {**params.get(kind, {}), **vp} or None for lab, (kind, vp) in variants.items()}
+    for lab, (kind, _) in variants.items():  # refused before the models load, as each request would be
         try:
-            check_settings(kind, {**params.get(kind, {}), **vp})
+            check_settings(kind, settings[lab])
         except SCDError as e:
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
@@ -197,7 +198,6 @@ def eval_(
         else:
             from tools.calibration.auto import auto_runner
 
-            settings = {lab: {**params.get(kind, {}), **vp} or None for lab, (kind, vp) in variants.items()}
             runners = {lab: auto_runner(pctx.profiles["auto"], pctx, cctx, settings[lab]) if kind == "auto"
                        else codec_method(kind, pctx, cctx, settings[lab]) for lab, (kind, _) in variants.items()}
     except SCDError as e:
