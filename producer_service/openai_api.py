@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from shared.config import field_errors
+from shared.config import field_errors, one_of
 from shared.domain import GenerateRequest, SamplingRequest
 from shared.errors import MAX_ID_CHARS, InvalidRequest, clip
 
@@ -71,7 +71,7 @@ class Body(BaseModel):
     temperature: float = Field(0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, allow_inf_nan=False)
     """Above 0 (as vLLM and the wire take it: the wire's 0 means unset, i.e. 1); at most 1 is the consumer's check."""
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str], one_of("a string or a list of strings")] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
@@ -122,7 +122,8 @@ class Body(BaseModel):
 
 
 class CompletionBody(Body):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: Annotated[str | list[TokenId] | list[str] | list[list[TokenId]],
+                      one_of(f"a string or a list of token ids (whole numbers 0 to {U32 - 1}), one prompt per request")]
 
 
 class ContentPart(BaseModel):
@@ -134,7 +135,8 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Annotated[str | list[ContentPart], one_of(
+        'a string or a list of content parts ({"type": "text", "text": "..."})')] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -158,6 +160,8 @@ def validation_message(errors) -> str:
     if whole:
         if whole[0].get("type") == "missing":
             return "the request has no body; send a JSON object (Content-Type: application/json)"
+        if whole[0].get("type") == "value_error":  # the body's own check (check_text) said what is wrong
+            return field_errors(whole[:1], skip=1)[0]
         return ("the body must be a JSON object with Content-Type: application/json, e.g. "
                 '{"model": "NAME", "prompt": "..."}')
     msg = "; ".join(field_errors(errors, skip=1))  # every loc here has a field after "body"

@@ -17,8 +17,10 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    WrapValidator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.errors import ConfigError
@@ -48,6 +50,36 @@ def _plain_message(msg: str) -> str:
         if msg.startswith(prefix):
             return msg[len(prefix):]
     return msg
+
+
+def one_of(what: str) -> WrapValidator:
+    """For a field typed as a union: one complaint saying what it takes (``what``, e.g. "a string or a
+    list of strings"), and what was wrong in the branch that came closest, instead of pydantic's
+    complaint from every branch under type names the user never wrote ("stop.str: ...;
+    stop.list[str].0: ...")."""
+
+    def wrap(value, handler):
+        try:
+            return handler(value)
+        except ValidationError as e:
+            raise PydanticCustomError("one_of", "{message}",
+                                      {"message": f"send {what}{_closest(e.errors())}"}) from None
+
+    return WrapValidator(wrap)
+
+
+def _closest(errors: list) -> str:
+    """The complaint of the union branch with the fewest, then the deepest, errors (``" (item 1: ...)"``),
+    or "" when that branch refused the value as a whole (its type)."""
+    branches: dict[Any, list] = {}
+    for err in errors:
+        branches.setdefault(err["loc"][0] if err["loc"] else None, []).append(err)
+    best = min(branches.values(), key=lambda errs: (len(errs), -max(len(x["loc"]) for x in errs)))
+    err = max(best, key=lambda x: len(x["loc"]))
+    if len(err["loc"]) <= 1:
+        return ""
+    where = " ".join(f"item {p}" if isinstance(p, int) else str(p) for p in err["loc"][1:])
+    return f" ({where}: {_plain_message(err['msg'])})"
 
 
 def consumer_list(text: str) -> list[str]:

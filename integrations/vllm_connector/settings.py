@@ -4,10 +4,12 @@ being ignored or failing later. Imports no vLLM (tested in the project's own env
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field, ValidationError, field_validator
 
 from integrations.vllm_connector.transfers import SUPPORTED, check_method
-from shared.config import Bytes, Checked, check_consumer_names, check_grpc_target, field_errors
+from shared.config import Bytes, Checked, check_consumer_names, check_grpc_target, field_errors, one_of
 from shared.errors import UnknownMethod
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
@@ -28,7 +30,7 @@ class ProducerExtra(_Extra):
     consumers: dict[str, str] = {}
     """``{name: host:port}``: a request picks one with ``kv_transfer_params: {"scd_consumer": name}``."""
     method: str = "raw"
-    method_params: dict[str, str | int | float | bool] = {}
+    method_params: dict[str, Annotated[str | int | float | bool, one_of("a string, number or boolean")]] = {}
     """The default method's settings; numbers and booleans are sent as their text, as in the services."""
 
     @field_validator("consumer")

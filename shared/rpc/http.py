@@ -97,7 +97,19 @@ def add_route_errors(app: FastAPI, served: str) -> None:
         elif exc.status_code == 405 and msg == "Method Not Allowed":
             allow = (exc.headers or {}).get("Allow", "another method")
             msg = f"{request.method} is not allowed on {clip(request.url.path)}; use {allow}"
+        elif exc.status_code == 400 and msg == "There was an error parsing the body":
+            msg = _unreadable_body(exc.__cause__)
         return JSONResponse(error_body(code, msg), status_code=exc.status_code, headers=exc.headers)
+
+
+def _unreadable_body(cause: BaseException | None) -> str:
+    """What FastAPI's "There was an error parsing the body" was (it says no more; its cause does)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the body is not text ({cause.encoding}: {cause.reason} at byte {cause.start}); "
+                "send one JSON object encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the body's JSON is nested too deeply to read; send one JSON object of the request's fields"
+    return "the body could not be read as JSON; send one JSON object (Content-Type: application/json)"
 
 
 def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:

@@ -140,11 +140,19 @@ def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
     ("application/json", b"null", "the body must be a JSON object"),
     ("text/plain", b'{"model": "chat", "prompt": "hi there"}', "the body must be a JSON object with Content-Type"),
     ("application/json", b'{"model": "chat", "prompt": "hi there"} {}', "the body is not valid JSON (at character"),
+    ("application/json", b'{"model": "chat", "prompt": "\\ud800 sea"}', "body.prompt holds a character that is not"),
+    ("application/json", b'{"model": "chat", "prompt": "\xff"}', "the body is not text (utf-8: invalid start byte"),
+    ("application/json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ("application/json", b'{"model": "chat", "prompt": [5, -1]}',  # one complaint, not one per union branch
+     "prompt: send a string or a list of token ids (whole numbers 0 to 4294967295), one prompt per request (item 1: "),
+    ("application/json", b'{"model": "chat", "prompt": "hi there", "stop": 5}', "stop: send a string or a list of "
+                                                                                "strings"),
 ])
 def test_a_body_that_is_not_one_json_object_is_told_so(svc, content_type, body, said):
     r = httpx.post(http(svc) + "/v1/completions", headers={**H, "content-type": content_type}, content=body,
                    timeout=60)
     assert r.status_code == 400 and said in r.json()["error"]["message"], r.text[:300]
+    assert ".str" not in r.text and "list[" not in r.text  # no union branch's type name
 
 
 def test_method_params_may_be_json_values(svc):
