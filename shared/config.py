@@ -40,7 +40,7 @@ def field_errors(e: ValidationError | list, skip: int = 0) -> list[str]:
     for err in e.errors() if isinstance(e, ValidationError) else e:
         msg = "not a known setting" if err["type"] == "extra_forbidden" else _plain_message(err["msg"])
         loc = err["loc"][skip:]
-        out.append(f"{'.'.join(str(p) for p in loc)}: {msg}" if loc else msg)
+        out.append(f"{'.'.join(str(p) if p != '' else repr(p) for p in loc)}: {msg}" if loc else msg)
     return out
 
 
@@ -170,9 +170,11 @@ def booleans_are_not_numbers(cls: type[BaseModel], data: Any) -> Any:
 
 
 class Checked(BaseModel):
-    """Base of the settings models: unknown keys refused, frozen, and no boolean taken for a number."""
+    """Base of the settings models: unknown keys refused, frozen, no boolean taken for a number, and
+    no NaN or infinity ("nan" passed every unbounded number and failed a bounded one as "should be
+    less than or equal to 1")."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

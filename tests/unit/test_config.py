@@ -236,6 +236,7 @@ def test_a_yaml_boolean_is_no_number(tmp_path):
     ("scd", {"block_tokens": "true"}, "block_tokens: Input should be a valid number"),
     ("quant", {"residual": "yes", "group_size": True}, "group_size: Input should be a valid integer"),
     ("auto", {"time_tolerance": True}, "time_tolerance: Input should be a valid number"),
+    ("raw", {"": "x"}, "'': not a known setting"),  # an empty key is shown as one (was ": not a known setting")
 ])
 def test_a_method_setting_that_takes_a_number_takes_no_boolean(kind, params, match):
     from shared.codecs import check_settings
@@ -243,3 +244,27 @@ def test_a_method_setting_that_takes_a_number_takes_no_boolean(kind, params, mat
 
     with pytest.raises(InvalidRequest, match=match):
         check_settings(kind, params)
+
+
+def test_no_setting_takes_nan_or_infinity(tmp_path):
+    """"nan" passed every number without a bound (and `grace_s: .inf` passed ge=0: a stop that never
+    ends), and failed a bounded one with "should be less than or equal to 1". Every settings model
+    refuses both as what they are."""
+    from integrations.vllm_connector.settings import parse_extra
+    from shared.codecs import check_settings
+    from shared.errors import InvalidRequest
+
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: m}\nserver: {grace_s: .inf}\nframe_timeout_s: .nan\n")
+    with pytest.raises(ConfigError) as e:
+        ConsumerSettings.load(f)
+    for field in ("server.grace_s: Input should be a finite number",
+                  "frame_timeout_s: Input should be a finite number"):
+        assert field in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="consumers.a.link_mbps: Input should be a finite number"):
+        ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=inf"], model={"path": "m"})
+    for kind, params in (("scd", {"block_tokens": "nan"}), ("auto", {"time_tolerance": "inf"})):
+        with pytest.raises(InvalidRequest, match=f"{next(iter(params))}: Input should be a finite number"):
+            check_settings(kind, params)
+    with pytest.raises(ValueError, match="timeout_s: Input should be a finite number"):
+        parse_extra("kv_consumer", {"timeout_s": float("inf")})
