@@ -27,6 +27,8 @@ def test_a_setting_without_key_or_value_is_refused_with_an_example(bad):
     (["--bandwidths", ""], "--bandwidths takes comma-separated positive numbers"),
     (["--bandwidths", "nan"], "--bandwidths takes comma-separated positive numbers"),
     (["--bandwidths", "-5"], "--bandwidths takes comma-separated positive numbers"),
+    (["--delay-ms", "inf"], "takes a finite number"),  # reached netem
+    (["--delay-ms", "-5"], "greater than or equal to 0"),
     (["--methods", ","], "--methods needs at least one name"),
     (["--methods", ""], "--methods needs at least one name"),
     (["--fleet", "--pairs", " "], "--pairs needs at least one name"),

@@ -355,6 +355,8 @@ def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     (["--top-p", "0"], "--top-p must be above 0"),
     (["--top-p", "1.5"], "less than or equal to 1"),
     (["--temperature", "-1"], "greater than or equal to 0"),
+    (["--timeout", "inf"], "takes a finite number"),  # a deadline already passed: DEADLINE_EXCEEDED at once
+    (["--temperature", "inf"], "takes a finite number"),
     (["--pair", "strong,"], "each once"),
     (["--pair", ",strong"], "each once"),
     (["--pair", "a, a"], "each once"),

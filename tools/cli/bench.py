@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, name_list, output_file, setup_logging
+from tools.cli.common import fail, finite, name_list, output_file, setup_logging
 
 
 @app.command("bench-overlap")
@@ -44,7 +44,7 @@ def bench(
     tokens: Optional[str] = typer.Option(None, help="Prompt lengths in tokens (default 500,1000,2000)."),
     repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; "
                                                            "--quick 3)."),
-    delay_ms: float = typer.Option(0.0, help="One-way delay added on each direction of the link (needs netem)."),
+    delay_ms: float = typer.Option(0.0, min=0.0, callback=finite, help="One-way delay added on each direction of the link (needs netem)."),
     pair: str = typer.Option("strong", help="A registered pair (its models and artifact store)."),
     pipelining: bool = typer.Option(True, "--pipelining-comparison/--no-pipelining-comparison",
                                     help="Also time send-everything-then-reconstruct on the same link."),
@@ -158,7 +158,7 @@ def _emit(res: dict, fmt, json_out: Optional[Path], png_out: Optional[Path]) -> 
 
 @app.command()
 def soak(
-    minutes: float = typer.Option(10.0, min=0.5, help="Minutes of traffic."),
+    minutes: float = typer.Option(10.0, min=0.5, callback=finite, help="Minutes of traffic."),
     pair: str = typer.Option("strong", help="A registered pair (both services run on this machine)."),
     clients: int = typer.Option(3, min=1, help="Client threads sending at once."),
     max_new_tokens: int = typer.Option(16, min=1),

@@ -29,6 +29,16 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def finite(value: float | None) -> float | None:
+    """A float option's callback: NaN and infinity are refused ("--timeout inf" became a deadline that
+    had already passed; "--delay-ms nan" reached netem)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"takes a finite number, got {value}")
+    return value
+
+
 def name_list(value: str, option: str = "--methods") -> tuple[str, ...]:
     """A comma-separated option's names (spaces around them dropped); an empty list is refused."""
     names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))
