@@ -44,7 +44,8 @@ def bench(
     tokens: Optional[str] = typer.Option(None, help="Prompt lengths in tokens (default 500,1000,2000)."),
     repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; "
                                                            "--quick 3)."),
-    delay_ms: float = typer.Option(0.0, min=0.0, callback=finite, help="One-way delay added on each direction of the link (needs netem)."),
+    delay_ms: float = typer.Option(0.0, min=0.0, callback=finite,
+                                   help="One-way delay added on each direction of the link (needs netem)."),
     pair: str = typer.Option("strong", help="A registered pair (its models and artifact store)."),
     pipelining: bool = typer.Option(True, "--pipelining-comparison/--no-pipelining-comparison",
                                     help="Also time send-everything-then-reconstruct on the same link."),
