@@ -79,10 +79,46 @@ class SecuritySettings(BaseModel):
         return grpc.ssl_channel_credentials(_read(self.peer_ca, "peer_ca"), key, cert)
 
     def check(self) -> None:
-        """Read every configured file once at start-up: a bad path fails then, not per request."""
+        """Read every configured file once at start-up, before the model loads: a bad path or a file
+        that is not what its setting takes fails then, not per request (gRPC took any bytes as a
+        certificate and failed to bind, which read as "is another server using it?")."""
         self.bearer()
+        marks = {"tls_cert": b"-----BEGIN CERTIFICATE-----", "tls_key": b"PRIVATE KEY-----",
+                 "tls_client_ca": b"-----BEGIN CERTIFICATE-----", "peer_ca": b"-----BEGIN CERTIFICATE-----"}
+        for name, mark in marks.items():
+            path = getattr(self, name)
+            if path and mark not in _read(path, name):
+                kind = "private key" if name == "tls_key" else "certificate"
+                raise ConfigError(f"security.{name}: {path} holds no PEM {kind} (no '{mark.decode()}' line); "
+                                  f"set a PEM {kind} file")
+        if self.tls_key and b"ENCRYPTED" in _read(self.tls_key, "tls_key"):
+            raise ConfigError(f"security.tls_key: {self.tls_key} is encrypted; set the key unencrypted "
+                              "(e.g. a mounted secret readable by the service only)")
+        if self.tls_cert and self.tls_key:
+            _check_pem(lambda ctx: ctx.load_cert_chain(_path(self.tls_cert), _path(self.tls_key)),
+                       "tls_cert and tls_key")
+        for name in ("tls_client_ca", "peer_ca"):
+            path = getattr(self, name)
+            if path:
+                _check_pem(lambda ctx, path=path: ctx.load_verify_locations(cafile=_path(path)), name)
         self.server_credentials()
         self.peer_credentials()
+
+
+def _path(path: str | None) -> str:
+    return os.path.expanduser(path or "")
+
+
+def _check_pem(load, what: str) -> None:
+    """``load(ctx)`` on a fresh TLS context (the standard library's parser is OpenSSL's, as gRPC's and
+    uvicorn's are); its failure said as a problem of ``what``."""
+    import ssl
+
+    try:
+        load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+    except ssl.SSLError as e:
+        why = "the key is not the certificate's" if e.reason == "KEY_VALUES_MISMATCH" else f"unreadable PEM ({e})"
+        raise ConfigError(f"security.{what}: {why}") from None
 
 
 def _read(path: str, what: str) -> bytes:

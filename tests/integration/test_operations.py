@@ -190,6 +190,41 @@ def test_security_settings_are_validated():
         s.security.check()
 
 
+def test_tls_files_are_checked_for_what_they_hold(tmp_path):
+    """gRPC took any bytes as a certificate and then failed to bind, which the service reported as
+    "cannot listen ...; is another server using it?" after loading its model. Each file is read as
+    what its setting takes, and the mistake named, before the model loads."""
+    import subprocess
+
+    from shared.errors import ConfigError
+    from shared.rpc.security import SecuritySettings
+
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one, two = self_signed(tmp_path / "one"), self_signed(tmp_path / "two")
+    if one is None or two is None:
+        pytest.skip("openssl CLI not available to make a test certificate")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    locked = tmp_path / "locked.pem"
+    subprocess.run(["openssl", "pkey", "-in", one["key"], "-aes256", "-passout", "pass:x", "-out", str(locked)],
+                   check=True, capture_output=True, timeout=60)
+    SecuritySettings(tls_cert=one["cert"], tls_key=one["key"], tls_client_ca=two["cert"], peer_ca=one["cert"]).check()
+    for kw, said in [
+        (dict(tls_cert=str(junk), tls_key=one["key"]), "security.tls_cert: " + str(junk) + " holds no PEM certificate"),
+        (dict(tls_cert=one["key"], tls_key=one["cert"]), "holds no PEM certificate"),  # the two swapped
+        (dict(tls_cert=one["cert"], tls_key=one["cert"]), "security.tls_key: " + one["cert"] + " holds no PEM private"),
+        (dict(tls_cert=one["cert"], tls_key=two["key"]), "security.tls_cert and tls_key: the key is not the "),
+        (dict(tls_cert=one["cert"], tls_key=str(locked)), "is encrypted; set the key unencrypted"),
+        (dict(tls_cert=one["cert"], tls_key=one["key"], tls_client_ca=str(junk)), "security.tls_client_ca: "),
+        (dict(peer_ca=one["key"]), "security.peer_ca: " + one["key"] + " holds no PEM certificate"),
+        (dict(peer_ca=str(tmp_path)), "cannot read security.peer_ca"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            SecuritySettings(**kw).check()
+        assert said in str(e.value), (kw, str(e.value))
+
+
 def test_http_body_and_prompt_sizes_are_bounded(svc):
     h = {"authorization": f"Bearer {TOKEN}"}
     big = httpx.post(http(svc) + "/v1/completions", headers=h, timeout=30,

@@ -378,6 +378,9 @@ def test_generate_refuses_a_producer_address_grpc_would_misread(producer):
     (["consumer", "--adapter", "/some/adapter"], "--adapter is merged into --model"),
     (["consumer", "--model", "/m", "--name", ""], "name: String should have at least 1 character"),
     (["consumer", "--model", "/m", "--name", "a,b"], "consumer name(s) 'a,b' must be 1-63 characters"),
+    # the TLS files before the model (/m does not exist: its error would come first otherwise)
+    (["consumer", "--model", "/m", "--set", f"security.tls_cert={__file__}", "--set", f"security.tls_key={__file__}"],
+     "security.tls_cert: " + __file__ + " holds no PEM certificate"),
 ])
 def test_serve_refuses_options_it_would_drop_or_misroute_before_loading(home, args, match):
     """An adapter given beside a pair was dropped silently, and a consumer name no request can

@@ -27,6 +27,7 @@ def _serve(load_engine, build_server, settings) -> None:
     from shared.errors import SCDError
 
     async def run() -> None:
+        settings.security.check()  # its files, before minutes of model loading
         engine = load_engine(settings)
         built = build_server(engine)
         server, servicer = built if isinstance(built, tuple) else (built, None)
