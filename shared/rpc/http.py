@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shared.errors import clip
 from shared.metrics import CONTENT_TYPE, Metrics
 from shared.rpc.security import SecuritySettings, token_ok
-from shared.rpc.server import GRACE_MARGIN_S
+from shared.rpc.server import GRACE_MARGIN_S, listen_error
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 412,
@@ -145,8 +145,7 @@ class HTTPServer:
             sock.bind((self.host, self.port))
         except OSError as e:
             sock.close()
-            raise OSError(f"cannot listen on {self.host}:{self.port} for HTTP ({e.strerror or e}); is another "
-                          "server using it?") from None
+            raise listen_error(self.host, self.port, "http", e) from None
         self.port = sock.getsockname()[1]
         s = self.security
         kw: dict[str, Any] = {}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from typing import Any
 
 import grpc
@@ -19,6 +21,33 @@ OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+def listen_error(host: str, port: int, settings: str, error: OSError | None = None) -> OSError:
+    """Why ``host:port`` cannot be listened on and what to set instead (``settings``: "server" or
+    "http", whose ``host``/``port`` the message names). gRPC says only "Failed to bind"; a plain
+    socket's bind, tried here when ``error`` is not given, tells which problem it is."""
+    if error is None:
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind(address)
+        except OSError as e:
+            error = e
+    where = f"cannot listen on {host}:{port}{' for HTTP' if settings == 'http' else ''}"
+    if isinstance(error, socket.gaierror):
+        why = (f"no such host name ({error.strerror}); set {settings}.host to an address of this machine, "
+               "or 0.0.0.0 for all of them")
+    elif error is not None and error.errno == errno.EADDRNOTAVAIL:
+        why = f"this machine has no address {host}; set {settings}.host to one of its addresses, or 0.0.0.0 for all"
+    elif error is not None and error.errno == errno.EADDRINUSE:
+        why = f"the port is in use; is another server using it? Set {settings}.port to a free one (0 picks one)"
+    elif error is not None and error.errno == errno.EACCES:
+        why = f"not permitted ({error.strerror}); ports below 1024 need privileges: set {settings}.port above 1023"
+    else:
+        why = f"{error.strerror or error}" if error is not None else "gRPC could not bind it"
+    return OSError(f"{where}: {why}")
 
 
 class Undecodable:
@@ -127,8 +156,8 @@ class GRPCServer:
                 self.port = self.server.add_secure_port(addr, self._credentials)
             else:
                 self.port = self.server.add_insecure_port(addr)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {self.host}:{self.port} ({e}); is another server using it?") from None
+        except RuntimeError:
+            raise listen_error(self.host, self.port, "server") from None
         await self.server.start()
         # "" and the service names report readiness (the producer's follows its consumers); "liveness"
         # only that the process serves, for liveness probes that must not restart a producer whose

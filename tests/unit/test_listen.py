@@ -1,0 +1,55 @@
+"""Why a service cannot listen, said with what to set: gRPC says only "Failed to bind", and every
+failure read "is another server using it?" (a host name that does not resolve, an address this
+machine does not have)."""
+
+import asyncio
+import socket
+
+import pytest
+from fastapi import FastAPI
+
+from shared.rpc.http import HTTPServer
+from shared.rpc.server import GRPCServer
+
+
+def _grpc(host: str, port: int) -> str:
+    async def run():
+        server = GRPCServer(lambda srv: None, host, port, ["x"])
+        try:
+            await server.start()
+        finally:
+            if server.server is not None:
+                await server.server.stop(0)
+    with pytest.raises(OSError) as e:
+        asyncio.run(run())
+    return str(e.value)
+
+
+def _http(host: str, port: int) -> str:
+    with pytest.raises(OSError) as e:
+        asyncio.run(HTTPServer(FastAPI(), host, port).start())
+    return str(e.value)
+
+
+@pytest.fixture
+def taken():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_a_port_in_use_is_named_as_such(taken):
+    said = _grpc("127.0.0.1", taken)
+    assert f"cannot listen on 127.0.0.1:{taken}: the port is in use" in said and "server.port" in said, said
+    said = _http("127.0.0.1", taken)
+    assert "for HTTP: the port is in use" in said and "http.port to a free one" in said, said
+
+
+@pytest.mark.parametrize("listen", [_grpc, _http])
+def test_an_address_the_machine_lacks_or_a_name_that_does_not_resolve_is_not_called_a_busy_port(listen):
+    settings = "server" if listen is _grpc else "http"
+    said = listen("192.0.2.1", 0)  # TEST-NET-1: no machine has it
+    assert f"this machine has no address 192.0.2.1; set {settings}.host" in said and "in use" not in said, said
+    said = listen("no-such-host.invalid", 0)
+    assert "no such host name" in said and f"set {settings}.host" in said and "in use" not in said, said
