@@ -23,18 +23,31 @@ OPTIONS = [
 ]
 
 
+def _bind_error(host: str, port: int) -> OSError | None:
+    """What binding ``host:port`` raises (None: it binds), with SO_REUSEADDR as both servers set it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        return e
+    return None
+
+
+def check_can_listen(host: str, port: int | None, settings: str) -> None:
+    """Before a service loads its model (minutes for a large one): refuse a host or port it will not
+    be able to listen on. A check only; the port is bound again when the server starts."""
+    if port is not None and (error := _bind_error(host, port)) is not None:
+        raise listen_error(host, port, settings, error)
+
+
 def listen_error(host: str, port: int, settings: str, error: OSError | None = None) -> OSError:
     """Why ``host:port`` cannot be listened on and what to set instead (``settings``: "server" or
     "http", whose ``host``/``port`` the message names). gRPC says only "Failed to bind"; a plain
     socket's bind, tried here when ``error`` is not given, tells which problem it is."""
-    if error is None:
-        try:
-            family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                                                 flags=socket.AI_PASSIVE)[0]
-            with socket.socket(family, kind, proto) as sock:
-                sock.bind(address)
-        except OSError as e:
-            error = e
+    error = error or _bind_error(host, port)
     where = f"cannot listen on {host}:{port}{' for HTTP' if settings == 'http' else ''}"
     if isinstance(error, socket.gaierror):
         why = (f"no such host name ({error.strerror}); set {settings}.host to an address of this machine, "

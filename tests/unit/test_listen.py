@@ -53,3 +53,16 @@ def test_an_address_the_machine_lacks_or_a_name_that_does_not_resolve_is_not_cal
     assert f"this machine has no address 192.0.2.1; set {settings}.host" in said and "in use" not in said, said
     said = listen("no-such-host.invalid", 0)
     assert "no such host name" in said and f"set {settings}.host" in said and "in use" not in said, said
+
+
+@pytest.mark.parametrize("where", ["--port", "http.port"])
+def test_scd_serve_refuses_a_busy_port_before_it_loads_the_model(taken, where):
+    """/m does not exist: the model's error would come first if the port were checked after it."""
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    args = ["--port", str(taken)] if where == "--port" else ["--port", "0", "--set", f"http.port={taken}"]
+    res = CliRunner().invoke(app, ["serve", "consumer", "--model", "/m", *args])
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and f"127.0.0.1:{taken}" in said and "the port is in use" in said, res.output

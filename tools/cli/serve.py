@@ -27,7 +27,11 @@ def _serve(load_engine, build_server, settings) -> None:
     from shared.errors import SCDError
 
     async def run() -> None:
-        settings.security.check()  # its files, before minutes of model loading
+        from shared.rpc.server import check_can_listen
+
+        settings.security.check()  # its files, and the addresses below, before minutes of model loading
+        check_can_listen(settings.server.host, settings.server.port, "server")
+        check_can_listen(settings.http.host, settings.http.port, "http")
         engine = load_engine(settings)
         built = build_server(engine)
         server, servicer = built if isinstance(built, tuple) else (built, None)
