@@ -260,6 +260,11 @@ class ServiceSettings(BaseSettings, Checked):
             _deep_update(data, loaded)
         prefix = (cls.model_config.get("env_prefix") or "").lower()
         env = {k for k in os.environ if k.lower().startswith(prefix)} if prefix else set()
+        # pydantic-settings ignores a variable that names no setting (CONSUMER__MAX_CONCURENT, a typo);
+        # one under a setting (CONSUMER__SERVER__PORTT) reaches the model, which refuses it
+        problems = [f"{key}: not a known setting (an environment variable; the settings: "
+                    f"{', '.join(sorted(cls.model_fields))})" for key in sorted(env)
+                    if key[len(prefix):].lower().split("__")[0] not in cls.model_fields]
         for key in env:  # environment beats the file: drop file keys the environment sets
             path = key[len(prefix):].lower().split("__")
             _pop(data, path)
@@ -270,10 +275,17 @@ class ServiceSettings(BaseSettings, Checked):
             _set(data, key.split("."), yaml.safe_load(value) if value else value)
         _deep_update(data, kw)
         try:
-            return cls(**data)
+            settings = cls(**data)
         except ValidationError as e:
-            lines = "\n".join(f"  {line}" for line in field_errors(e))
+            # a value from the environment is named with its variable (the file and flags name the key)
+            source = {tuple(k[len(prefix):].lower().split("__")): k for k in env}
+            problems += [line + next((f" (from {var})" for path, var in source.items()
+                                      if tuple(str(p) for p in err["loc"][:len(path)]) == path), "")
+                         for err, line in zip(e.errors(), field_errors(e))]
+        if problems:
+            lines = "\n".join(f"  {line}" for line in problems)
             raise ConfigError(f"invalid {cls.__name__}:\n{lines}") from None
+        return settings
 
 
 def _pop(d: dict, path: list[str]) -> None:

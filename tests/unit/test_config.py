@@ -1,5 +1,6 @@
 """Every deploy file parses; settings files validate; errors say what to fix."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,29 @@ def test_env_beats_file_and_flags_beat_env(monkeypatch):
     monkeypatch.setenv("CONSUMER__MAX_NEW_TOKENS", "77")
     assert ConsumerSettings.load(DEPLOY / "consumer.yaml").max_new_tokens == 77
     assert ConsumerSettings.load(DEPLOY / "consumer.yaml", ["max_new_tokens=9"]).max_new_tokens == 9
+
+
+def test_an_environment_variable_naming_no_setting_is_refused(monkeypatch):
+    """pydantic-settings ignored CONSUMER__MAX_CONCURENT (a typo): the default was served with no
+    word. A bad value from the environment names its variable."""
+    monkeypatch.setenv("CONSUMER__MAX_CONCURENT", "4")
+    monkeypatch.setenv("CONSUMER__SERVER__PORT", "high")
+    with pytest.raises(ConfigError) as e:
+        ConsumerSettings.load(overrides=["model.path=/x"])
+    said = str(e.value)
+    assert "CONSUMER__MAX_CONCURENT: not a known setting (an environment variable; the settings: " in said, said
+    assert "max_concurrent" in said and "server.port: Input should be a valid integer" in said, said
+    assert "(from CONSUMER__SERVER__PORT)" in said, said
+
+
+def test_the_deploy_files_environment_names_known_settings():
+    """Every CONSUMER__/PRODUCER__ variable the image and compose set is one the services read."""
+    text = (DEPLOY / "compose.yaml").read_text() + (DEPLOY / "Dockerfile").read_text()
+    names = set(re.findall(r"\b((?:CONSUMER|PRODUCER)__[A-Z0-9_]+)", text))
+    assert len(names) >= 8, names
+    for name in names:
+        cls = ConsumerSettings if name.startswith("CONSUMER") else ProducerSettings
+        assert name.split("__")[1].lower() in cls.model_fields, name
 
 
 def test_a_partial_sub_setting_keeps_the_sub_models_defaults(monkeypatch, tmp_path):
