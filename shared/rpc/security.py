@@ -55,6 +55,10 @@ class SecuritySettings(BaseModel):
             return None
         if not tok:
             raise ConfigError("the bearer token is empty; set a non-empty token or drop it")
+        if not (tok.isascii() and tok.isprintable()) or any(c.isspace() for c in tok):
+            # gRPC metadata and HTTP headers carry no other: no client could have sent it
+            raise ConfigError("the bearer token must be printable ASCII without spaces (gRPC metadata and HTTP "
+                              "headers carry no other); set another token, e.g. `openssl rand -hex 32`")
         return tok
 
     @property

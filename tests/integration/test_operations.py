@@ -188,6 +188,11 @@ def test_security_settings_are_validated():
     s = ConsumerSettings.load(model={"path": "x"}, security={"token_file": "/nonexistent/token"})
     with pytest.raises(ConfigError, match="token_file"):
         s.security.check()
+    for token in ("pässwort", "two words", "tab\there"):  # no client could send it
+        s = ConsumerSettings.load(model={"path": "x"}, security={"token": token})
+        with pytest.raises(ConfigError, match="printable ASCII without spaces"):
+            s.security.check()
+    assert ConsumerSettings.load(model={"path": "x"}, security={"token": " a+b/c=~!\n"}).security.bearer() == "a+b/c=~!"
 
 
 def test_tls_files_are_checked_for_what_they_hold(tmp_path):
