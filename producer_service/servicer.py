@@ -34,6 +34,9 @@ PEER_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect
                 ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
+NOT_A_CONSUMER = "not an SCD consumer"
+
+
 class ProducerServicer(pbg.ProducerServicer):
     def __init__(self, engine: ProducerEngine, metrics: Metrics | None = None):
         self.engine = engine
@@ -45,6 +48,7 @@ class ProducerServicer(pbg.ProducerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._probe: asyncio.Task | None = None
         self.consumers_ready: dict[str, bool] = {}  # the last probe's results (empty: not probed yet)
+        self.consumer_status: dict[str, str] = {}  # and each one's status: serving, unavailable, NOT_A_CONSUMER
         self._calls: set = set()  # consumer calls in flight
         self._shed: set = set()  # ... that shed_inflight() ended
 
@@ -78,16 +82,26 @@ class ProducerServicer(pbg.ProducerServicer):
 
         s = self.engine.settings
 
-        async def check(name: str, address: str) -> bool:
+        async def check(name: str, address: str) -> str:
             try:
                 r = await health_pb2_grpc.HealthStub(self.channel(address)).Check(
                     health_pb2.HealthCheckRequest(service="scd.v1.Consumer"), timeout=2.0)
-                return r.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                return False
+                return "serving" if r.status == health_pb2.HealthCheckResponse.SERVING else "unavailable"
+            except grpc.aio.AioRpcError as e:
+                # a gRPC server that knows no scd.v1.Consumer (NOT_FOUND) or has no health service: the
+                # address is wrong, and no retry will help
+                return NOT_A_CONSUMER if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED) \
+                    else "unavailable"
 
         names = list(s.consumers)
-        results = await asyncio.gather(*(check(n, s.consumers[n].address) for n in names))
+        statuses = dict(zip(names, await asyncio.gather(*(check(n, s.consumers[n].address) for n in names))))
+        for name, status in statuses.items():  # each change logged once, with where to look
+            if status != self.consumer_status.get(name, "serving"):
+                (log.info if status == "serving" else log.warning)(
+                    "consumer %r at %s: %s%s", name, s.consumers[name].address, status,
+                    f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER else "")
+        self.consumer_status = statuses
+        results = [status == "serving" for status in statuses.values()]
         self.consumers_ready = dict(zip(names, results))
         if health is not None:
             serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -219,6 +233,10 @@ class ProducerServicer(pbg.ProducerServicer):
             msg = e.details() or code.name
             if code == grpc.StatusCode.UNAVAILABLE:
                 msg = f"unreachable or gone mid-stream ({msg}); retry, or check the consumer's health"
+            elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC service at the address: the producer's fault
+                code, msg = grpc.StatusCode.INTERNAL, (
+                    f"the server at {p.address} is {NOT_A_CONSUMER} (it has no scd.v1.Consumer/Transfer); the "
+                    f"producer's consumers.{request.consumer}.address is wrong")
             raise PeerError(code.name, f"consumer {request.consumer!r}: {msg}") from None
         finally:
             call.cancel()

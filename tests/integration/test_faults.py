@@ -221,6 +221,42 @@ def test_killed_consumer_mid_stream_gives_the_client_unavailable(base, tok, tmp_
         proc.wait(10)
 
 
+def test_a_consumer_address_that_is_no_consumer_is_said_to_be_the_producers_fault(base, tok, caplog):
+    """A gRPC server that is not a consumer at a consumer's address (another service; the producer
+    itself): health said "unavailable" and a request got UNIMPLEMENTED "Method not found!" (HTTP 501),
+    as if a retry or the client could help. Now the probe, /health, the log and the request name it."""
+    import logging
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    other = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), other)  # knows no scd.v1.Consumer
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+
+    def make_producer(_):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={"lost": {"address": f"127.0.0.1:{port}"}}, http={"port": 0},
+                                  security=SEC, health_probe_s=0)
+        return ProducerEngine(s, base, tok)
+
+    try:
+        with InProcessServices([], make_producer) as s, caplog.at_level(logging.WARNING):
+            s._run(s._servicer.probe_once())
+            said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health").json()["consumers"]
+            assert said == {"lost": "not an SCD consumer"}, said
+            assert f"consumer 'lost' at 127.0.0.1:{port}: not an SCD consumer (fix consumers.lost.address)" \
+                in caplog.text, caplog.text
+            with pytest.raises(grpc.RpcError) as ei:
+                _gen_at(s.producer_address, consumer="lost", method="raw", max_new_tokens=2)
+            assert ei.value.code() == grpc.StatusCode.INTERNAL, (ei.value.code(), ei.value.details())
+            assert "is not an SCD consumer" in ei.value.details() and "consumers.lost.address is wrong" in \
+                ei.value.details(), ei.value.details()
+    finally:
+        other.stop(0)
+
+
 def _gen_at(address, **kw):
     return client.generate(address, client.request(PROMPT, **kw), timeout=60, token=TOKEN)
 
