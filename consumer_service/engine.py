@@ -117,7 +117,8 @@ class ConsumerEngine(Engine):
         if len(h.request_id) > MAX_ID_CHARS:
             raise InvalidRequest(f"request_id has {len(h.request_id)} characters; at most {MAX_ID_CHARS}")
         if h.consumer and h.consumer != s.name:
-            raise InvalidRequest(f"stream addressed to consumer {clip(h.consumer)}; this is {s.name!r}")
+            raise PreconditionFailed(f"stream addressed to consumer {clip(h.consumer)}; this is {s.name!r}: the "
+                                     "producer's address for it (its consumers setting) points at another consumer")
         if h.method not in s.methods:
             raise UnknownMethod(f"method {clip(h.method)} is not enabled on consumer {s.name!r}; enabled: "
                                 f"{list(s.methods)}")

@@ -20,6 +20,7 @@ from shared.domain import GenerateRequest, TokenEvent
 from shared.errors import NotReady, PeerError
 from shared.metrics import Metrics, log_request
 from shared.rpc import convert
+from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.errors import grpc_errors, status_for
 from shared.rpc.security import auth_metadata
@@ -35,6 +36,7 @@ PEER_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect
 
 
 NOT_A_CONSUMER = "not an SCD consumer"
+ANOTHER_CONSUMER = "another consumer:"
 
 
 class ProducerServicer(pbg.ProducerServicer):
@@ -48,7 +50,7 @@ class ProducerServicer(pbg.ProducerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._probe: asyncio.Task | None = None
         self.consumers_ready: dict[str, bool] = {}  # the last probe's results (empty: not probed yet)
-        self.consumer_status: dict[str, str] = {}  # and each one's status: serving, unavailable, NOT_A_CONSUMER
+        self.consumer_status: dict[str, str] = {}  # each one's: serving, unavailable, NOT_A_CONSUMER, ANOTHER_...
         self._calls: set = set()  # consumer calls in flight
         self._shed: set = set()  # ... that shed_inflight() ended
 
@@ -76,30 +78,38 @@ class ProducerServicer(pbg.ProducerServicer):
             await ch.close()
 
     # ------------------------------------------------------------------ readiness per consumer
-    async def probe_once(self, health=None) -> dict[str, bool]:
-        """Each consumer's gRPC health, now; published on ``health`` when given."""
+    async def consumer_status_now(self, name: str, address: str) -> str:
+        """``name``'s status at ``address``: "serving", "unavailable", NOT_A_CONSUMER (a gRPC server that
+        knows no scd.v1.Consumer, or has no health service: the address is wrong, and no retry will
+        help) or ANOTHER_CONSUMER and the name of the one that answers."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        try:
+            r = await health_pb2_grpc.HealthStub(self.channel(address)).Check(
+                health_pb2.HealthCheckRequest(service="scd.v1.Consumer"), timeout=2.0)
+            if r.status != health_pb2.HealthCheckResponse.SERVING:
+                return "unavailable"
+            info = await pbg.ConsumerStub(self.channel(address)).Info(pb.InfoRequest(), timeout=2.0,
+                                                                       metadata=self._peer_md or None)
+            return "serving" if info.name == name else f"{ANOTHER_CONSUMER} {info.name!r}"
+        except grpc.aio.AioRpcError as e:
+            return NOT_A_CONSUMER if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED) \
+                else "unavailable"
+
+    async def probe_once(self, health=None) -> dict[str, bool]:
+        """Each consumer's gRPC health, now; published on ``health`` when given."""
+        from grpc_health.v1 import health_pb2
+
         s = self.engine.settings
-
-        async def check(name: str, address: str) -> str:
-            try:
-                r = await health_pb2_grpc.HealthStub(self.channel(address)).Check(
-                    health_pb2.HealthCheckRequest(service="scd.v1.Consumer"), timeout=2.0)
-                return "serving" if r.status == health_pb2.HealthCheckResponse.SERVING else "unavailable"
-            except grpc.aio.AioRpcError as e:
-                # a gRPC server that knows no scd.v1.Consumer (NOT_FOUND) or has no health service: the
-                # address is wrong, and no retry will help
-                return NOT_A_CONSUMER if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED) \
-                    else "unavailable"
-
         names = list(s.consumers)
-        statuses = dict(zip(names, await asyncio.gather(*(check(n, s.consumers[n].address) for n in names))))
+        statuses = dict(zip(names, await asyncio.gather(*(self.consumer_status_now(n, s.consumers[n].address)
+                                                          for n in names))))
         for name, status in statuses.items():  # each change logged once, with where to look
             if status != self.consumer_status.get(name, "serving"):
                 (log.info if status == "serving" else log.warning)(
                     "consumer %r at %s: %s%s", name, s.consumers[name].address, status,
-                    f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER else "")
+                    f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER or
+                    status.startswith(ANOTHER_CONSUMER) else "")
         self.consumer_status = statuses
         results = [status == "serving" for status in statuses.values()]
         self.consumers_ready = dict(zip(names, results))
@@ -233,7 +243,10 @@ class ProducerServicer(pbg.ProducerServicer):
             msg = e.details() or code.name
             if code == grpc.StatusCode.UNAVAILABLE:
                 msg = f"unreachable or gone mid-stream ({msg}); retry, or check the consumer's health"
-            elif code == grpc.StatusCode.UNIMPLEMENTED:  # another gRPC service at the address: the producer's fault
+            elif code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL) and \
+                    await self.consumer_status_now(request.consumer, p.address) == NOT_A_CONSUMER:
+                # another gRPC service at the address (it answers UNIMPLEMENTED, or gRPC's core INTERNAL when
+                # the refusal crosses the frames being sent): the producer's fault, not the client's
                 code, msg = grpc.StatusCode.INTERNAL, (
                     f"the server at {p.address} is {NOT_A_CONSUMER} (it has no scd.v1.Consumer/Transfer); the "
                     f"producer's consumers.{request.consumer}.address is wrong")

@@ -257,6 +257,34 @@ def test_a_consumer_address_that_is_no_consumer_is_said_to_be_the_producers_faul
         other.stop(0)
 
 
+def test_consumer_addresses_swapped_are_named(base, tok, caplog):
+    """The producer's `a` at consumer `b`'s address (and `b` at `a`'s): each request reached the other
+    consumer, which refused it as the client's INVALID_ARGUMENT. The probe now asks each consumer its
+    name, and the consumer names the producer's setting."""
+    import logging
+
+    from ops_common import consumer
+
+    def make_producer(addresses):
+        swapped = {"a": addresses["b"], "b": addresses["a"]}
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={n: {"address": a} for n, a in swapped.items()}, http={"port": 0},
+                                  security=SEC, health_probe_s=0)
+        return ProducerEngine(s, base, tok)
+
+    with InProcessServices([consumer("a", base), consumer("b", base)], make_producer) as s, \
+            caplog.at_level(logging.WARNING):
+        s._run(s._servicer.probe_once())
+        said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
+        assert said.status_code == 503, said.text
+        assert said.json()["consumers"] == {"a": "another consumer: 'b'", "b": "another consumer: 'a'"}, said.text
+        assert "consumer 'a' at " in caplog.text and "another consumer: 'b' (fix consumers.a.address)" in caplog.text
+        with pytest.raises(grpc.RpcError) as ei:
+            _gen_at(s.producer_address, consumer="a", method="raw", max_new_tokens=2)
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (ei.value.code(), ei.value.details())
+        assert "stream addressed to consumer 'a'; this is 'b'" in ei.value.details(), ei.value.details()
+
+
 def _gen_at(address, **kw):
     return client.generate(address, client.request(PROMPT, **kw), timeout=60, token=TOKEN)
 

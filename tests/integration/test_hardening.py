@@ -308,7 +308,7 @@ def test_errors_and_events_do_not_grow_with_the_input(svc):
     frames = make_frames(svc, "same")
     frames[0].header.consumer = "n" * 100_000
     err = refused(svc, "same", frames)
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and len(err.details()) < 1100
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and len(err.details()) < 1100
 
 
 # ---------------------------------------------------------------------------- 10. trickling peers
