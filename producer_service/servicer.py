@@ -37,6 +37,7 @@ PEER_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect
 
 NOT_A_CONSUMER = "not an SCD consumer"
 ANOTHER_CONSUMER = "another consumer:"
+WRONG_TOKEN = "refuses the producer's token (give both services the same security.token)"
 
 
 class ProducerServicer(pbg.ProducerServicer):
@@ -81,7 +82,7 @@ class ProducerServicer(pbg.ProducerServicer):
     async def consumer_status_now(self, name: str, address: str) -> str:
         """``name``'s status at ``address``: "serving", "unavailable", NOT_A_CONSUMER (a gRPC server that
         knows no scd.v1.Consumer, or has no health service: the address is wrong, and no retry will
-        help) or ANOTHER_CONSUMER and the name of the one that answers."""
+        help), ANOTHER_CONSUMER and the name of the one that answers, or WRONG_TOKEN."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         try:
@@ -93,6 +94,8 @@ class ProducerServicer(pbg.ProducerServicer):
                                                                        metadata=self._peer_md or None)
             return "serving" if info.name == name else f"{ANOTHER_CONSUMER} {info.name!r}"
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # its health is open; its Info is not
+                return WRONG_TOKEN
             return NOT_A_CONSUMER if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED) \
                 else "unavailable"
 

@@ -285,6 +285,22 @@ def test_consumer_addresses_swapped_are_named(base, tok, caplog):
         assert "stream addressed to consumer 'a'; this is 'b'" in ei.value.details(), ei.value.details()
 
 
+def test_a_consumer_that_refuses_the_producers_token_is_named(base, tok):
+    """Its health is open to probes, so the producer called it serving; every request then failed."""
+    from ops_common import consumer
+
+    def make_producer(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={n: {"address": a} for n, a in addresses.items()}, http={"port": 0},
+                                  security={"token": "not-" + TOKEN}, health_probe_s=0)
+        return ProducerEngine(s, base, tok)
+
+    with InProcessServices([consumer("a", base)], make_producer) as s:
+        s._run(s._servicer.probe_once())
+        said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
+        assert said.status_code == 503 and "refuses the producer's token" in said.json()["consumers"]["a"], said.text
+
+
 def _gen_at(address, **kw):
     return client.generate(address, client.request(PROMPT, **kw), timeout=60, token=TOKEN)
 
