@@ -49,3 +49,18 @@ def test_bench_options_are_refused_before_anything_starts(args, match):
 
     res = CliRunner().invoke(app, ["bench", *args])
     assert res.exit_code == 2 and match in " ".join(res.output.replace("│", " ").split()), res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--iters", "0"], "greater than or equal to 1"),  # was an IndexError after the models loaded
+    (["--tokens", "0"], "greater than or equal to 1"),  # was the service's refusal as a traceback
+    (["--methods", "nope"], "unknown methods ['nope']; expected some of"),  # was a KeyError
+    (["--methods", "raw,auto"], "unknown methods ['auto']"),  # auto is no transfer of its own to time
+])
+def test_bench_overlap_options_are_refused_before_the_models_load(args, match):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    res = CliRunner().invoke(app, ["bench-overlap", "--pair", "nope", *args])
+    assert res.exit_code == 2 and match in " ".join(res.output.replace("│", " ").split()), res.output

@@ -16,16 +16,30 @@ from tools.cli.common import fail, finite, name_list, output_file, setup_logging
 @app.command("bench-overlap")
 def bench_overlap(
     pair: str = typer.Option("strong", help="A registered pair."),
-    tokens: int = typer.Option(1000, help="Prompt length in tokens."),
-    methods: str = typer.Option("raw"),
-    iters: int = typer.Option(3),
+    tokens: int = typer.Option(1000, min=1, help="Prompt length in tokens."),
+    methods: str = typer.Option("raw", help="Comma-separated transfer methods."),
+    iters: int = typer.Option(3, min=1, help="Timed requests per method, after a warm-up."),
     tiny: bool = typer.Option(False, help="Tiny random models (smoke test)."),
     json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
 ) -> None:
     """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
+    import grpc
+
+    from shared.codecs import CODECS
+    from shared.errors import SCDError
     from tools.eval import overlap
 
-    res = overlap.run(pair, tokens, name_list(methods), iters, tiny)
+    names = name_list(methods)
+    unknown = [m for m in names if m not in CODECS]
+    if unknown:  # before the models load
+        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted(CODECS)}",
+                                 param_hint="--methods")
+    try:
+        res = overlap.run(pair, tokens, names, iters, tiny)
+    except grpc.RpcError as e:  # a request the services refused (a prompt over their limit, say)
+        fail(f"{e.code().name}: {e.details()}", 1)
+    except SCDError as e:
+        fail(str(e))
     if json_out:
         json_out.write_text(json.dumps(res, indent=2) + "\n")
 
