@@ -108,8 +108,12 @@ class ProducerServicer(pbg.ProducerServicer):
         statuses = dict(zip(names, await asyncio.gather(*(self.consumer_status_now(n, s.consumers[n].address)
                                                           for n in names))))
         for name, status in statuses.items():  # each change logged once, with where to look
-            if status != self.consumer_status.get(name, "serving"):
-                (log.info if status == "serving" else log.warning)(
+            before = self.consumer_status.get(name)  # None: the first probe
+            if status != (before or "serving"):
+                # a misconfiguration, or a consumer that went down, is a warning; one not up yet at the
+                # producer's start (the order two services start in) and one that comes back are not
+                warn = status not in ("serving", "unavailable") or before == "serving"
+                (log.warning if warn else log.info)(
                     "consumer %r at %s: %s%s", name, s.consumers[name].address, status,
                     f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER or
                     status.startswith(ANOTHER_CONSUMER) else "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -283,6 +284,34 @@ def test_consumer_addresses_swapped_are_named(base, tok, caplog):
             _gen_at(s.producer_address, consumer="a", method="raw", max_new_tokens=2)
         assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (ei.value.code(), ei.value.details())
         assert "stream addressed to consumer 'a'; this is 'b'" in ei.value.details(), ei.value.details()
+
+
+def test_a_consumer_going_down_is_a_warning_one_not_up_yet_at_start_is_not(base, tok, caplog):
+    """Services start in any order: a consumer not up at the producer's first probe is logged at INFO
+    (the demo printed a WARNING each time); one that was serving and went down is a WARNING."""
+    import logging
+
+    from ops_common import consumer
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{free.getsockname()[1]}"  # nothing listens there once closed
+
+    def make_producer(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={"up": {"address": addresses["up"]}, "later": {"address": nobody}},
+                                  security=SEC, health_probe_s=0)
+        return ProducerEngine(s, base, tok)
+
+    with InProcessServices([consumer("up", base)], make_producer) as s, caplog.at_level(logging.INFO):
+        s._run(s._servicer.probe_once())
+        assert [(r.levelname, r.getMessage()) for r in caplog.records if "consumer 'later'" in r.getMessage()] \
+            == [("INFO", f"consumer 'later' at {nobody}: unavailable")], caplog.text
+        assert "consumer 'up'" not in caplog.text  # serving from the start: nothing to say
+        s._run(s.consumer_servers["up"].stop(0))
+        s._run(s._servicer.probe_once())
+        assert [r.levelname for r in caplog.records if "consumer 'up' at" in r.getMessage()] == ["WARNING"]
+        assert len([r for r in caplog.records if "consumer 'later'" in r.getMessage()]) == 1  # no change, no line
 
 
 def test_a_consumer_that_refuses_the_producers_token_is_named(base, tok):

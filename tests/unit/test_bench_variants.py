@@ -64,3 +64,16 @@ def test_bench_overlap_options_are_refused_before_the_models_load(args, match):
 
     res = CliRunner().invoke(app, ["bench-overlap", "--pair", "nope", *args])
     assert res.exit_code == 2 and match in " ".join(res.output.replace("│", " ").split()), res.output
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--max-new-tokens", "0"], "greater than or equal to 1"),  # was served as the consumer's default
+    (["--methods", "raw,nope"], "unknown methods ['nope']; expected some of"),  # was a traceback once the
+])                                                                           # producer had refused it
+def test_demo_options_are_refused_before_the_services_start(args, match):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    res = CliRunner().invoke(app, ["demo", "--pair", "nope", *args])
+    assert res.exit_code == 2 and match in " ".join(res.output.replace("│", " ").split()), res.output
