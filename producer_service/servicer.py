@@ -25,7 +25,7 @@ from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.errors import grpc_errors, status_for
 from shared.rpc.security import auth_metadata
 from shared.rpc.server import OPTIONS
-from shared.rpc.wire import StreamTotals, header_frame, layer_frames
+from shared.rpc.wire import PROTOCOL_VERSION, StreamTotals, header_frame, layer_frames
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class ProducerServicer(pbg.ProducerServicer):
     async def consumer_status_now(self, name: str, address: str) -> str:
         """``name``'s status at ``address``: "serving", "unavailable", NOT_A_CONSUMER (a gRPC server that
         knows no scd.v1.Consumer, or has no health service: the address is wrong, and no retry will
-        help), ANOTHER_CONSUMER and the name of the one that answers, or WRONG_TOKEN."""
+        help), ANOTHER_CONSUMER and the name of the one that answers, WRONG_TOKEN, or a consumer that
+        speaks another protocol version or runs a model of another depth."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         try:
@@ -92,7 +93,15 @@ class ProducerServicer(pbg.ProducerServicer):
                 return "unavailable"
             info = await pbg.ConsumerStub(self.channel(address)).Info(pb.InfoRequest(), timeout=2.0,
                                                                        metadata=self._peer_md or None)
-            return "serving" if info.name == name else f"{ANOTHER_CONSUMER} {info.name!r}"
+            if info.name != name:
+                return f"{ANOTHER_CONSUMER} {info.name!r}"
+            if info.protocol_version != PROTOCOL_VERSION:  # every request would be refused: say so before
+                side = "consumer" if info.protocol_version < PROTOCOL_VERSION else "producer"
+                return f"speaks protocol {info.protocol_version}, this producer {PROTOCOL_VERSION} (update the {side})"
+            if info.n_layers != self.engine.adapter.n_layers:
+                return (f"has {info.n_layers} layers, this producer's model {self.engine.adapter.n_layers}: another "
+                        f"model family (fix consumers.{name}.address or the producer's model)")
+            return "serving"
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # its health is open; its Info is not
                 return WRONG_TOKEN

@@ -314,6 +314,31 @@ def test_a_consumer_going_down_is_a_warning_one_not_up_yet_at_start_is_not(base,
         assert len([r for r in caplog.records if "consumer 'later'" in r.getMessage()]) == 1  # no change, no line
 
 
+def test_a_consumer_of_another_model_family_is_named_before_a_request_fails(base, tok, monkeypatch):
+    """Every request to it would be refused (the stream's depth is not its model's); /health said serving."""
+    from ops_common import consumer
+
+    from shared.model.tiny import tiny_model
+
+    def make_producer(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={n: {"address": a} for n, a in addresses.items()}, http={"port": 0},
+                                  security=SEC, health_probe_s=0)
+        return ProducerEngine(s, base, tok)
+
+    with InProcessServices([consumer("deep", tiny_model("llama", n_layers=6))], make_producer) as s:
+        s._run(s._servicer.probe_once())
+        said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health").json()["consumers"]["deep"]
+        assert said == ("has 6 layers, this producer's model 4: another model family (fix consumers.deep.address "
+                        "or the producer's model)"), said
+        import producer_service.servicer as servicer_module
+
+        monkeypatch.setattr(servicer_module, "PROTOCOL_VERSION", servicer_module.PROTOCOL_VERSION + 1)
+        s._run(s._servicer.probe_once())  # a producer one protocol version ahead of its consumer
+        said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health").json()["consumers"]["deep"]
+        assert said.startswith("speaks protocol ") and said.endswith("(update the consumer)"), said
+
+
 def test_a_consumer_that_refuses_the_producers_token_is_named(base, tok):
     """Its health is open to probes, so the producer called it serving; every request then failed."""
     from ops_common import consumer
