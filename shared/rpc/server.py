@@ -171,12 +171,13 @@ class GRPCServer:
                 self.port = self.server.add_insecure_port(addr)
         except RuntimeError:
             raise listen_error(self.host, self.port, "server") from None
-        await self.server.start()
         # "" and the service names report readiness (the producer's follows its consumers); "liveness"
         # only that the process serves, for liveness probes that must not restart a producer whose
-        # consumer is down
+        # consumer is down. Set before the port serves: a probe in between got NOT_FOUND for the
+        # service name, which the producer reads as "not an SCD consumer"
         for name in ["", "liveness", *self._names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.server.start()
         for fn in self.on_start:
             await fn()
         return self.port

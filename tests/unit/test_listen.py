@@ -1,6 +1,6 @@
-"""Why a service cannot listen, said with what to set: gRPC says only "Failed to bind", and every
-failure read "is another server using it?" (a host name that does not resolve, an address this
-machine does not have)."""
+"""How a service starts to listen. Why it cannot, said with what to set: gRPC says only "Failed to
+bind", and every failure read "is another server using it?" (a host name that does not resolve, an
+address this machine does not have). And its health is set before its port serves."""
 
 import asyncio
 import socket
@@ -66,3 +66,32 @@ def test_scd_serve_refuses_a_busy_port_before_it_loads_the_model(taken, where):
     res = CliRunner().invoke(app, ["serve", "consumer", "--model", "/m", *args])
     said = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and f"127.0.0.1:{taken}" in said and "the port is in use" in said, res.output
+
+
+def test_the_health_statuses_are_set_before_the_port_serves(monkeypatch):
+    """A probe between the two got NOT_FOUND for the service's name, which the producer reads as
+    "not an SCD consumer" (a warning in its log at every start that lost the race)."""
+    import grpc
+
+    real, seen = grpc.aio.server, {}
+
+    def recording(*args, **kwargs):
+        srv = real(*args, **kwargs)
+        start = srv.start
+
+        async def start_and_record():
+            seen.update(built.health._server_status)  # what a probe could read from the moment it serves
+            await start()
+
+        srv.start = start_and_record
+        return srv
+
+    monkeypatch.setattr(grpc.aio, "server", recording)
+    built = GRPCServer(lambda srv: None, "127.0.0.1", 0, ["scd.v1.Consumer"])
+
+    async def run():
+        await built.start()
+        await built.server.stop(0)
+
+    asyncio.run(run())
+    assert {"", "liveness", "scd.v1.Consumer"} <= set(seen), seen
