@@ -116,9 +116,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     eng = servicer.engine
     s = eng.settings
     app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
-    add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": {
-        n: servicer.consumer_status.get(n, "serving" if ok else "unavailable")
-        for n, ok in servicer.consumers_ready.items()}})
+    add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": dict(servicer.consumer_status)})
     add_auth(app, token, servicer.metrics)
     app.add_middleware(BodyLimit, limit=s.max_http_body_bytes)  # added last: runs first, before the token check
 

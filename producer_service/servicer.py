@@ -50,8 +50,9 @@ class ProducerServicer(pbg.ProducerServicer):
         self._peer_md = auth_metadata(sec.bearer())  # the producer sends its own token to its consumers
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._probe: asyncio.Task | None = None
-        self.consumers_ready: dict[str, bool] = {}  # the last probe's results (empty: not probed yet)
-        self.consumer_status: dict[str, str] = {}  # each one's: serving, unavailable, NOT_A_CONSUMER, ANOTHER_...
+        # the last probe's status of each consumer (empty: not probed yet): "serving", "unavailable",
+        # NOT_A_CONSUMER, ANOTHER_CONSUMER..., WRONG_TOKEN, ... (consumer_status_now)
+        self.consumer_status: dict[str, str] = {}
         self._calls: set = set()  # consumer calls in flight
         self._shed: set = set()  # ... that shed_inflight() ended
 
@@ -127,13 +128,11 @@ class ProducerServicer(pbg.ProducerServicer):
                     f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER or
                     status.startswith(ANOTHER_CONSUMER) else "")
         self.consumer_status = statuses
-        results = [status == "serving" for status in statuses.values()]
-        self.consumers_ready = dict(zip(names, results))
         if health is not None:
             serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
             for name, ok in self.consumers_ready.items():
                 await health.set(f"scd.v1.Producer/{name}", serving if ok else not_serving)
-            overall = serving if any(results) or not names else not_serving
+            overall = serving if self.ready() else not_serving
             for service in ("", "scd.v1.Producer"):
                 await health.set(service, overall)
         return self.consumers_ready
@@ -152,6 +151,11 @@ class ProducerServicer(pbg.ProducerServicer):
                 await asyncio.sleep(period)
 
         self._probe = asyncio.create_task(loop())
+
+    @property
+    def consumers_ready(self) -> dict[str, bool]:
+        """Whether each consumer served at the last probe (empty: not probed yet)."""
+        return {name: status == "serving" for name, status in self.consumer_status.items()}
 
     def ready(self) -> bool:
         return not self.consumers_ready or any(self.consumers_ready.values())

@@ -259,15 +259,16 @@ class ServiceSettings(BaseSettings, Checked):
                 raise ConfigError(f"settings file {file} must hold a mapping at the top level")
             _deep_update(data, loaded)
         prefix = (cls.model_config.get("env_prefix") or "").lower()
-        env = {k for k in os.environ if k.lower().startswith(prefix)} if prefix else set()
+        # each variable's setting path: CONSUMER__SERVER__PORT -> (server, port)
+        env = {k: tuple(k[len(prefix):].lower().split("__")) for k in os.environ
+               if prefix and k.lower().startswith(prefix)}
         # pydantic-settings ignores a variable that names no setting (CONSUMER__MAX_CONCURENT, a typo);
         # one under a setting (CONSUMER__SERVER__PORTT) reaches the model, which refuses it
         problems = [f"{key}: not a known setting (an environment variable; the settings: "
                     f"{', '.join(sorted(cls.model_fields))})" for key in sorted(env)
-                    if key[len(prefix):].lower().split("__")[0] not in cls.model_fields]
-        for key in env:  # environment beats the file: drop file keys the environment sets
-            path = key[len(prefix):].lower().split("__")
-            _pop(data, path)
+                    if env[key][0] not in cls.model_fields]
+        for path in env.values():  # environment beats the file: drop file keys the environment sets
+            _pop(data, list(path))
         for item in overrides:
             key, eq, value = item.partition("=")
             if not eq or not all(part.strip() for part in key.split(".")):
@@ -278,8 +279,7 @@ class ServiceSettings(BaseSettings, Checked):
             settings = cls(**data)
         except ValidationError as e:
             # a value from the environment is named with its variable (the file and flags name the key)
-            source = {tuple(k[len(prefix):].lower().split("__")): k for k in env}
-            problems += [line + next((f" (from {var})" for path, var in source.items()
+            problems += [line + next((f" (from {var})" for var, path in env.items()
                                       if tuple(str(p) for p in err["loc"][:len(path)]) == path), "")
                          for err, line in zip(e.errors(), field_errors(e))]
         if problems:

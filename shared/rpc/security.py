@@ -89,13 +89,13 @@ class SecuritySettings(BaseModel):
         self.bearer()
         marks = {"tls_cert": b"-----BEGIN CERTIFICATE-----", "tls_key": b"PRIVATE KEY-----",
                  "tls_client_ca": b"-----BEGIN CERTIFICATE-----", "peer_ca": b"-----BEGIN CERTIFICATE-----"}
-        for name, mark in marks.items():
-            path = getattr(self, name)
-            if path and mark not in _read(path, name):
+        held = {name: _read(getattr(self, name), name) for name in marks if getattr(self, name)}
+        for name, data in held.items():
+            if marks[name] not in data:
                 kind = "private key" if name == "tls_key" else "certificate"
-                raise ConfigError(f"security.{name}: {path} holds no PEM {kind} (no '{mark.decode()}' line); "
-                                  f"set a PEM {kind} file")
-        if self.tls_key and b"ENCRYPTED" in _read(self.tls_key, "tls_key"):
+                raise ConfigError(f"security.{name}: {getattr(self, name)} holds no PEM {kind} (no "
+                                  f"'{marks[name].decode()}' line); set a PEM {kind} file")
+        if b"ENCRYPTED" in held.get("tls_key", b""):
             raise ConfigError(f"security.tls_key: {self.tls_key} is encrypted; set the key unencrypted "
                               "(e.g. a mounted secret readable by the service only)")
         if self.tls_cert and self.tls_key:
@@ -127,7 +127,7 @@ def _check_pem(load, what: str) -> None:
 
 def _read(path: str, what: str) -> bytes:
     try:
-        return Path(os.path.expanduser(path)).read_bytes()
+        return Path(_path(path)).read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read security.{what} {path}: {e.strerror or e}") from None
 

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, finite, name_list, output_file, setup_logging
+from tools.cli.common import fail, finite, known_methods, name_list, output_file, setup_logging
 
 
 @app.command("bench-overlap")
@@ -25,15 +25,10 @@ def bench_overlap(
     """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
     import grpc
 
-    from shared.codecs import CODECS
     from shared.errors import SCDError
     from tools.eval import overlap
 
-    names = name_list(methods)
-    unknown = [m for m in names if m not in CODECS]
-    if unknown:  # before the models load
-        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted(CODECS)}",
-                                 param_hint="--methods")
+    names = known_methods(name_list(methods))
     try:
         res = overlap.run(pair, tokens, names, iters, tiny)
     except grpc.RpcError as e:  # a request the services refused (a prompt over their limit, say)

@@ -47,6 +47,18 @@ def name_list(value: str, option: str = "--methods") -> tuple[str, ...]:
     return names
 
 
+def known_methods(names, allow: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """``names`` when each is a registered transfer method (or in ``allow``, e.g. auto), else a usage
+    error for --methods naming the others: before any model loads or service starts."""
+    from shared.codecs import CODECS
+
+    unknown = [m for m in names if m not in CODECS and m not in allow]
+    if unknown:
+        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted([*CODECS, *allow])}",
+                                 param_hint="--methods")
+    return tuple(names)
+
+
 def output_file(path: Path | None) -> Path | None:
     """An option's output file, checked before the work that fills it (a benchmark or evaluation can
     run for an hour): not a folder, its folder made, and writable. Used as a typer callback."""

@@ -15,6 +15,7 @@ from tools.cli.common import (
     check_data,
     fail,
     items,
+    known_methods,
     name_list,
     output_file,
     pair_models,
@@ -134,9 +135,7 @@ def eval_(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     names = list(dict.fromkeys(kind for kind, _ in variants.values()))
-    unknown = [m for m in names if m not in CODECS and m != "auto"]
-    if unknown:
-        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted([*CODECS, 'auto'])}")
+    known_methods(names, allow=("auto",))
     if sweep and "auto" in names:
         raise typer.BadParameter("--sweep varies each method's knob; auto has none (leave it out of --methods)")
     params: dict[str, dict[str, str]] = {}

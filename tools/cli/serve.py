@@ -299,15 +299,10 @@ def demo(
     data_file: Optional[Path] = typer.Option(None, "--data", help="Ask the first test prompt of this JSONL instead."),
 ) -> None:
     """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""
-    from shared.codecs import CODECS
     from tools import demo as d
-    from tools.cli.common import entry, name_list
+    from tools.cli.common import entry, known_methods, name_list
 
-    names = name_list(methods)
-    unknown = [m for m in names if m not in CODECS]
-    if unknown:  # before two services start (the producer refused it, and the demo ended in a traceback)
-        raise typer.BadParameter(f"unknown methods {unknown}; expected some of {sorted(CODECS)}",
-                                 param_hint="--methods")
+    names = known_methods(name_list(methods))  # before two services start (the producer refused a bad one)
     try:
         d.run(entry(pair), names, max_new_tokens, data_file=data_file)
     except (RuntimeError, TimeoutError) as e:  # a service that did not start (its own error is printed above)
