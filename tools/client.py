@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import grpc
 
-from shared.config import BENCH_HOLD_METADATA
+from shared.config import BENCH_HOLD_METADATA, GRPC_SCHEMES
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.server import OPTIONS
@@ -72,3 +74,90 @@ def generate(address: str, req: pb.GenerateRequest, timeout: float = 120.0, on_e
         if on_event:
             on_event(ev)
     return res
+
+
+def explain(address: str, err: grpc.RpcError, root_certificates: bytes | None = None, timeout: float = 2.0) -> str:
+    """``err`` from a call to the producer at ``address``, said for whoever gave the address: when the
+    call never reached an SCD producer (nothing listening, an HTTP port, TLS on one side only, a
+    certificate that does not verify, another gRPC service) what answers there instead; the producer's
+    own errors (an unknown consumer, one that is down) as they are."""
+    said = f"{err.code().name}: {err.details()}"
+    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+        return said
+    why = what_answers(address, root_certificates, timeout)
+    return f"{why} ({said})" if why else said
+
+
+def what_answers(address: str, root_certificates: bytes | None = None, timeout: float = 2.0) -> str | None:
+    """Why ``address`` is not an SCD producer this client can use; None when a producer answers."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def serves(service: str) -> grpc.StatusCode | None:
+        with channel(address, root_certificates) as ch:
+            try:
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                return None
+            except grpc.RpcError as e:
+                return e.code()
+
+    got = serves("scd.v1.Producer")
+    if got is None or got == grpc.StatusCode.UNAUTHENTICATED:
+        return None  # a producer: its own error stands
+    if got in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+        if serves("scd.v1.Consumer") is None:
+            return f"{address} is an SCD consumer, not the producer: give the producer's gRPC address"
+        return f"{address} is a gRPC server but not an SCD producer: give the producer's gRPC address"
+    if address.startswith(GRPC_SCHEMES):
+        return None
+    return _socket_problem(address, root_certificates, timeout)
+
+
+def _socket_problem(address: str, root_certificates: bytes | None, timeout: float) -> str | None:
+    """What a TCP connection, a TLS handshake and an HTTP/1 request to ``address`` tell."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return f"the host {host!r} does not resolve: check the address {address}"
+
+    def connect() -> socket.socket:
+        return socket.create_connection((host, int(port)), timeout=timeout)
+
+    try:
+        connect().close()
+    except ConnectionRefusedError:
+        return (f"nothing listens at {address} (connection refused): is the producer running, and is this its "
+                "gRPC port (server.port, 50051 by default)?")
+    except OSError as e:
+        return f"cannot connect to {address}: {e.strerror or e}"
+    probe = ssl.create_default_context()
+    probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
+    try:
+        with connect() as s, probe.wrap_socket(s, server_hostname=host):
+            tls = True
+    except (ssl.SSLError, OSError):
+        tls = False
+    if tls and root_certificates is None:
+        return f"{address} serves TLS: give the CA that signed its certificate (--tls-ca)"
+    if not tls and root_certificates is not None:
+        return f"{address} does not serve TLS: leave out --tls-ca"
+    if tls:
+        ctx = ssl.create_default_context(cadata=root_certificates.decode("ascii", "replace"))
+        try:
+            with connect() as s, ctx.wrap_socket(s, server_hostname=host):
+                pass
+        except ssl.SSLCertVerificationError as e:
+            return f"{address}'s TLS certificate does not verify against --tls-ca: {e.verify_message}"
+        except (ssl.SSLError, OSError):
+            pass
+    try:
+        with connect() as s:
+            conn = ctx.wrap_socket(s, server_hostname=host) if tls else s
+            conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            if conn.recv(8).startswith(b"HTTP/"):
+                return (f"{address} is an HTTP/1 server (the producer's HTTP API, http.port?): give the producer's "
+                        "gRPC port (server.port, 50051 by default)")
+    except (ssl.SSLError, OSError):
+        pass
+    return None

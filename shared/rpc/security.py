@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 
 from shared.errors import ConfigError
 
+CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
@@ -50,7 +51,7 @@ class SecuritySettings(BaseModel):
         if self.token is not None:
             tok = self.token.get_secret_value().strip()
         elif self.token_file:
-            tok = _read(self.token_file, "token_file").decode().strip()
+            tok = _read(self.token_file, "security.token_file").decode().strip()
         else:
             return None
         if not tok:
@@ -68,28 +69,28 @@ class SecuritySettings(BaseModel):
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls or self.tls_key is None or self.tls_cert is None:
             return None
-        pair = [(_read(self.tls_key, "tls_key"), _read(self.tls_cert, "tls_cert"))]
+        pair = [(_read(self.tls_key, "security.tls_key"), _read(self.tls_cert, "security.tls_cert"))]
         if self.tls_client_ca:
-            return grpc.ssl_server_credentials(pair, root_certificates=_read(self.tls_client_ca, "tls_client_ca"),
-                                               require_client_auth=True)
+            ca = _read(self.tls_client_ca, "security.tls_client_ca")
+            return grpc.ssl_server_credentials(pair, root_certificates=ca, require_client_auth=True)
         return grpc.ssl_server_credentials(pair)
 
     def peer_credentials(self) -> grpc.ChannelCredentials | None:
         """Channel credentials towards this service's peers (producer -> consumers)."""
         if not self.peer_ca:
             return None
-        key = _read(self.tls_key, "tls_key") if self.tls_key else None
-        cert = _read(self.tls_cert, "tls_cert") if self.tls_cert else None
-        return grpc.ssl_channel_credentials(_read(self.peer_ca, "peer_ca"), key, cert)
+        key = _read(self.tls_key, "security.tls_key") if self.tls_key else None
+        cert = _read(self.tls_cert, "security.tls_cert") if self.tls_cert else None
+        return grpc.ssl_channel_credentials(_read(self.peer_ca, "security.peer_ca"), key, cert)
 
     def check(self) -> None:
         """Read every configured file once at start-up, before the model loads: a bad path or a file
         that is not what its setting takes fails then, not per request (gRPC took any bytes as a
         certificate and failed to bind, which read as "is another server using it?")."""
         self.bearer()
-        marks = {"tls_cert": b"-----BEGIN CERTIFICATE-----", "tls_key": b"PRIVATE KEY-----",
-                 "tls_client_ca": b"-----BEGIN CERTIFICATE-----", "peer_ca": b"-----BEGIN CERTIFICATE-----"}
-        held = {name: _read(getattr(self, name), name) for name in marks if getattr(self, name)}
+        marks = {"tls_cert": CERTIFICATE, "tls_key": b"PRIVATE KEY-----", "tls_client_ca": CERTIFICATE,
+                 "peer_ca": CERTIFICATE}
+        held = {name: _read(getattr(self, name), f"security.{name}") for name in marks if getattr(self, name)}
         for name, data in held.items():
             if marks[name] not in data:
                 kind = "private key" if name == "tls_key" else "certificate"
@@ -100,17 +101,28 @@ class SecuritySettings(BaseModel):
                               "(e.g. a mounted secret readable by the service only)")
         if self.tls_cert and self.tls_key:
             _check_pem(lambda ctx: ctx.load_cert_chain(_path(self.tls_cert), _path(self.tls_key)),
-                       "tls_cert and tls_key")
+                       "security.tls_cert and tls_key")
         for name in ("tls_client_ca", "peer_ca"):
             path = getattr(self, name)
             if path:
-                _check_pem(lambda ctx, path=path: ctx.load_verify_locations(cafile=_path(path)), name)
+                _check_pem(lambda ctx, path=path: ctx.load_verify_locations(cafile=_path(path)), f"security.{name}")
         self.server_credentials()
         self.peer_credentials()
 
 
 def _path(path: str | None) -> str:
     return os.path.expanduser(path or "")
+
+
+def read_ca(path: str, what: str) -> bytes:
+    """A PEM CA certificate file's bytes (a client's ``--tls-ca``), read as OpenSSL reads it; a path
+    that cannot be read or a file that holds no certificate is a ConfigError naming ``what``."""
+    data = _read(path, what)
+    if CERTIFICATE not in data:
+        raise ConfigError(f"{what}: {path} holds no PEM certificate (no '{CERTIFICATE.decode()}' line); give the "
+                          "PEM certificate of the CA that signed the server's")
+    _check_pem(lambda ctx: ctx.load_verify_locations(cadata=data.decode("ascii", "replace")), what)
+    return data
 
 
 def _check_pem(load, what: str) -> None:
@@ -122,14 +134,14 @@ def _check_pem(load, what: str) -> None:
         load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
     except ssl.SSLError as e:
         why = "the key is not the certificate's" if e.reason == "KEY_VALUES_MISMATCH" else f"unreadable PEM ({e})"
-        raise ConfigError(f"security.{what}: {why}") from None
+        raise ConfigError(f"{what}: {why}") from None
 
 
 def _read(path: str, what: str) -> bytes:
     try:
         return Path(_path(path)).read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read security.{what} {path}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
 
 
 def token_ok(header: str | None, token: str) -> bool:

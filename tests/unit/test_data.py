@@ -123,3 +123,26 @@ def test_heldout_domain_is_windows_of_license_text_never_in_the_splits(tmp_path,
     assert len(data.heldout_items(fmt, 2, root=tmp_path)) == 2
     with pytest.raises(FileNotFoundError, match="base-files"):
         data.heldout_items(fmt, root=tmp_path / "none")
+
+
+@pytest.mark.parametrize("command, split", [
+    (["demo"], "test"),  # was a DataFileError traceback (a missing file: the same)
+    (["eval"], "test"),  # these four failed the same way, but after both models had loaded
+    (["drift"], "test"),
+    (["anatomy"], "validation"),
+    (["calibrate", "--method", "ridge"], "validation"),
+])
+def test_a_prompts_file_without_the_split_a_command_needs_is_refused_before_anything_loads(tmp_path, command, split):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+    from tools.data import user
+
+    path = tmp_path / "few.jsonl"
+    path.write_text('{"prompt": "What is 2+2?"}\n')  # the calibration split
+    assert user.counts(path)[split] == 0
+    res = CliRunner().invoke(app, [*command, "--pair", "no-such-pair", "--data", str(path)])
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and f"no prompts in the {split} split" in said, res.output
+    res = CliRunner().invoke(app, [*command, "--pair", "no-such-pair", "--data", str(tmp_path / "none.jsonl")])
+    assert res.exit_code == 2 and "does not exist" in res.output, res.output

@@ -57,7 +57,8 @@ def calibrate(
     except ValueError as e:
         fail(str(e))
     n_val = cfg.n_val if cfg else _whole(overrides, "n_val", 24)
-    check_data(data_file)
+    check_data(data_file, "validation", *(() if method in ("droidspeak", "spectrum", "auto", "fallback") else
+                                          ("calibration",)))
     pm = pair_models(pair, device, dtype)
     out = pm.store(out)
     stop = pm.fmt.stop_ids

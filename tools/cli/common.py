@@ -172,15 +172,19 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
         fail(str(e))
 
 
-def check_data(data_file: Path | None) -> None:
-    """Parse the operator's JSONL before any model is loaded: a bad file fails in a second, not
-    after the models load (the message names the file and line)."""
+def check_data(data_file: Path | None, *needed: str) -> None:
+    """Parse the operator's JSONL before any model is loaded: a bad file, or one with no prompt in a
+    split the command ``needed``, fails in a second, not after the models load (the message names the
+    file and line, or the splits' sizes)."""
     if data_file is None:
         return
     from tools.data import user
 
     try:
         n = user.counts(data_file)
+        for split in needed:
+            if not n[split]:
+                raise user.empty_split(data_file, split, n)  # type: ignore[arg-type]  # a split's name
     except (user.DataFileError, OSError, UnicodeDecodeError) as e:
         fail(str(e))
     typer.echo(f"data: {data_file}: {sum(n.values())} prompts ({', '.join(f'{k} {v}' for k, v in n.items())})",

@@ -49,7 +49,7 @@ def drift(
     from tools.eval.report import print_layers, print_table
 
     t0 = time.perf_counter()
-    check_data(data_file)
+    check_data(data_file, "test")
     pm = pair_models(pair, device, dtype)
     its = items(pm, "test", n, data_file)
     runners = methods(("oracle", "raw"), CodecContext(pm.producer), CodecContext(pm.consumer))
@@ -78,7 +78,7 @@ def anatomy(
     from tools.eval.anatomy import default_probes, run
 
     t0 = time.perf_counter()
-    check_data(data_file)
+    check_data(data_file, "calibration", "validation")
     pm = pair_models(pair, device, dtype)
     cal = [ids[:1024] for ids in calibration_prompts(pm, data_file)][:n_cal]
     val = validation_prompts(pm, data_file, n_val)
@@ -154,7 +154,7 @@ def eval_(
         except SCDError as e:
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
-    check_data(data_file)
+    check_data(data_file, "test")
     pm = pair_models(pair, device, dtype)
     store_dir = pm.store(store_dir)
     producer, consumer = pm.producer, pm.consumer

@@ -252,13 +252,22 @@ def generate(
             raise typer.BadParameter(f"--param {p!r} contradicts --method {method}'s {key}={params[key]}")
         params[key] = value
 
+    ca = None
+    if tls_ca is not None:
+        from shared.errors import ConfigError
+        from shared.rpc.security import read_ca
+
+        try:
+            ca = read_ca(str(tls_ca), "--tls-ca")
+        except ConfigError as e:
+            raise typer.BadParameter(str(e)) from None
+
     def one(name: str, stream_out: bool):
         req = client.request(prompt, name, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
                              native_prefix, params)
         show = (lambda ev: print(ev.text, end="", flush=True)) if stream_out else None
         try:
-            return client.generate(producer, req, timeout, on_event=show, token=token,
-                                   root_certificates=tls_ca.read_bytes() if tls_ca else None)
+            return client.generate(producer, req, timeout, on_event=show, token=token, root_certificates=ca)
         except grpc.RpcError as e:
             return e
 
@@ -276,7 +285,7 @@ def generate(
             if not isinstance(res, grpc.RpcError):
                 print(res.text, end="")
         if isinstance(res, grpc.RpcError):
-            typer.echo(f"\nerror: {res.code().name}: {res.details()}", err=True)
+            typer.echo(f"\nerror: {client.explain(producer, res, ca)}", err=True)
             failed = True
             continue
         t = res.timings
@@ -300,10 +309,15 @@ def demo(
 ) -> None:
     """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""
     from tools import demo as d
-    from tools.cli.common import entry, known_methods, name_list
+    from tools.cli.common import check_data, entry, known_methods, name_list
 
     names = known_methods(name_list(methods))  # before two services start (the producer refused a bad one)
+    check_data(data_file, "test")
+    from tools.data.user import DataFileError
+
     try:
         d.run(entry(pair), names, max_new_tokens, data_file=data_file)
+    except DataFileError as e:  # a prompt of the test split that cannot be asked (the file's line said)
+        fail(str(e))
     except (RuntimeError, TimeoutError) as e:  # a service that did not start (its own error is printed above)
         fail(str(e), 1)

@@ -124,11 +124,7 @@ def load(path: str | Path, fmt: PromptFormat, split: Split | None = None, n: int
         if n is not None and len(items) >= n:
             break
     if not items:
-        counts = {s: 0 for s in SPLITS}
-        for _, obj in _records(path):
-            counts[split_of(obj, seed)] += 1
-        raise DataFileError(f"{path}: no prompts in the {split} split (splits: {counts}); the split takes about "
-                            f"{SPLIT_FRACTIONS[split]:.0%} of the lines by a hash of each prompt: add prompts")
+        raise empty_split(path, split, counts(path, seed))  # type: ignore[arg-type]  # all: the file has a record
     return items
 
 
@@ -137,3 +133,8 @@ def counts(path: str | Path, seed: int = SPLIT_SEED) -> dict[str, int]:
     for _, obj in _records(Path(path)):
         out[split_of(obj, seed)] += 1
     return out
+
+
+def empty_split(path: str | Path, split: Split, split_counts: dict[str, int]) -> DataFileError:
+    return DataFileError(f"{path}: no prompts in the {split} split (splits: {split_counts}); the split takes about "
+                         f"{SPLIT_FRACTIONS[split]:.0%} of the lines by a hash of each prompt: add prompts")
