@@ -15,15 +15,16 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from producer_service.engine import ProducerEngine, StreamStats
-from shared.config import BENCH_HOLD_METADATA
+from shared.config import BENCH_HOLD_METADATA, GRPC_SCHEMES
 from shared.domain import GenerateRequest, TokenEvent
 from shared.errors import NotReady, PeerError
 from shared.metrics import Metrics, log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
+from shared.rpc.diagnose import HTTP1, socket_problem
 from shared.rpc.errors import grpc_errors, status_for
-from shared.rpc.security import auth_metadata
+from shared.rpc.security import auth_metadata, read_ca
 from shared.rpc.server import OPTIONS
 from shared.rpc.wire import PROTOCOL_VERSION, StreamTotals, header_frame, layer_frames
 
@@ -48,6 +49,7 @@ class ProducerServicer(pbg.ProducerServicer):
         sec = engine.settings.security
         self._peer_creds = sec.peer_credentials()
         self._peer_md = auth_metadata(sec.bearer())  # the producer sends its own token to its consumers
+        self._peer_ca = read_ca(sec.peer_ca, "security.peer_ca") if sec.peer_ca else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._probe: asyncio.Task | None = None
         # the last probe's status of each consumer (empty: not probed yet): "serving", "unavailable",
@@ -106,8 +108,15 @@ class ProducerServicer(pbg.ProducerServicer):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # its health is open; its Info is not
                 return WRONG_TOKEN
-            return NOT_A_CONSUMER if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED) \
-                else "unavailable"
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
+                return NOT_A_CONSUMER
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not address.startswith(GRPC_SCHEMES):
+                # not down but misaddressed (its HTTP port) or TLS on one side only: say which
+                problem = await asyncio.to_thread(socket_problem, address, self._peer_ca, "security.peer_ca",
+                                                  "consumer")
+                if problem is not None and problem.lasting:
+                    return problem.said
+            return "unavailable"
 
     async def probe_once(self, health=None) -> dict[str, bool]:
         """Each consumer's gRPC health, now; published on ``health`` when given."""
@@ -126,7 +135,7 @@ class ProducerServicer(pbg.ProducerServicer):
                 (log.warning if warn else log.info)(
                     "consumer %r at %s: %s%s", name, s.consumers[name].address, status,
                     f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER or
-                    status.startswith(ANOTHER_CONSUMER) else "")
+                    status.startswith((ANOTHER_CONSUMER, HTTP1)) else "")
         self.consumer_status = statuses
         if health is not None:
             serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -262,7 +271,12 @@ class ProducerServicer(pbg.ProducerServicer):
             code = e.code()
             msg = e.details() or code.name
             if code == grpc.StatusCode.UNAVAILABLE:
-                msg = f"unreachable or gone mid-stream ({msg}); retry, or check the consumer's health"
+                status = await self.consumer_status_now(request.consumer, p.address)
+                if status in ("serving", "unavailable"):
+                    msg = f"unreachable or gone mid-stream ({msg}); retry, or check the consumer's health"
+                else:  # the address or the TLS settings are wrong: the producer's fault, and no retry helps
+                    code, msg = grpc.StatusCode.INTERNAL, (f"the producer's consumers.{request.consumer}.address "
+                                                           f"({p.address}) {status}")
             elif code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL) and \
                     await self.consumer_status_now(request.consumer, p.address) == NOT_A_CONSUMER:
                 # another gRPC service at the address (it answers UNIMPLEMENTED, or gRPC's core INTERNAL when

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -13,6 +11,7 @@ import grpc
 from shared.config import BENCH_HOLD_METADATA, GRPC_SCHEMES
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
+from shared.rpc.diagnose import socket_problem
 from shared.rpc.server import OPTIONS
 
 BENCH_HOLD = ((BENCH_HOLD_METADATA, "1"),)  # benchmarks: encode, then reconstruct, every layer at once
@@ -109,55 +108,6 @@ def what_answers(address: str, root_certificates: bytes | None = None, timeout: 
         return f"{address} is a gRPC server but not an SCD producer: give the producer's gRPC address"
     if address.startswith(GRPC_SCHEMES):
         return None
-    return _socket_problem(address, root_certificates, timeout)
+    problem = socket_problem(address, root_certificates, "--tls-ca", "producer", timeout)
+    return f"{address} {problem.said}" if problem else None
 
-
-def _socket_problem(address: str, root_certificates: bytes | None, timeout: float) -> str | None:
-    """What a TCP connection, a TLS handshake and an HTTP/1 request to ``address`` tell."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return f"the host {host!r} does not resolve: check the address {address}"
-
-    def connect() -> socket.socket:
-        return socket.create_connection((host, int(port)), timeout=timeout)
-
-    try:
-        connect().close()
-    except ConnectionRefusedError:
-        return (f"nothing listens at {address} (connection refused): is the producer running, and is this its "
-                "gRPC port (server.port, 50051 by default)?")
-    except OSError as e:
-        return f"cannot connect to {address}: {e.strerror or e}"
-    probe = ssl.create_default_context()
-    probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
-    try:
-        with connect() as s, probe.wrap_socket(s, server_hostname=host):
-            tls = True
-    except (ssl.SSLError, OSError):
-        tls = False
-    if tls and root_certificates is None:
-        return f"{address} serves TLS: give the CA that signed its certificate (--tls-ca)"
-    if not tls and root_certificates is not None:
-        return f"{address} does not serve TLS: leave out --tls-ca"
-    if tls:
-        ctx = ssl.create_default_context(cadata=root_certificates.decode("ascii", "replace"))
-        try:
-            with connect() as s, ctx.wrap_socket(s, server_hostname=host):
-                pass
-        except ssl.SSLCertVerificationError as e:
-            return f"{address}'s TLS certificate does not verify against --tls-ca: {e.verify_message}"
-        except (ssl.SSLError, OSError):
-            pass
-    try:
-        with connect() as s:
-            conn = ctx.wrap_socket(s, server_hostname=host) if tls else s
-            conn.sendall(f"GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-            if conn.recv(8).startswith(b"HTTP/"):
-                return (f"{address} is an HTTP/1 server (the producer's HTTP API, http.port?): give the producer's "
-                        "gRPC port (server.port, 50051 by default)")
-    except (ssl.SSLError, OSError):
-        pass
-    return None

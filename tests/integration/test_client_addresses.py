@@ -1,7 +1,8 @@
-"""What `scd generate` says when its --producer or --tls-ca is wrong. gRPC reports each mistake as
-UNAVAILABLE or UNIMPLEMENTED with its transport's words ("Socket closed", "Method not found!",
-"Failed parsing HTTP/2"); the client says what answers at the address instead, and leaves the
-producer's own errors as they are."""
+"""What `scd generate` says when its --producer or --tls-ca is wrong, and what the producer says when
+a consumer's address or its own TLS settings are. gRPC reports each mistake as UNAVAILABLE or
+UNIMPLEMENTED with its transport's words ("Socket closed", "Method not found!", "Failed parsing
+HTTP/2"); both say what answers at the address instead, and the client leaves the producer's own
+errors as they are."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from ops_common import PROMPT, TOKEN
 from ops_support import self_signed
 
+from consumer_service.engine import ConsumerEngine
+from consumer_service.settings import ConsumerSettings
 from producer_service.engine import ProducerEngine
 from producer_service.settings import ProducerSettings
 from tools import client
@@ -35,12 +38,13 @@ def _closed_port() -> int:
 
 def test_a_wrong_producer_address_is_named_for_what_answers_there(svc):
     http = f"127.0.0.1:{svc.producer_server.http.port}"
-    assert _failure(http).startswith(f"{http} is an HTTP/1 server (the producer's HTTP API")
+    assert _failure(http).startswith(f"{http} is an HTTP/1 server (the producer's HTTP port?), not the producer's gRPC")
     cons = svc.consumer_addresses["chat"]
     assert _failure(cons).startswith(f"{cons} is an SCD consumer, not the producer")
     closed = f"127.0.0.1:{_closed_port()}"
-    assert _failure(closed).startswith(f"nothing listens at {closed} (connection refused)")
-    assert _failure("no-such-host.invalid:50051").startswith("the host 'no-such-host.invalid' does not resolve")
+    assert _failure(closed).startswith(f"{closed} refuses connections: nothing listens there")
+    nohost = "no-such-host.invalid:50051"
+    assert _failure(nohost).startswith(f"{nohost} names a host that does not resolve")
     other = grpc.server(futures.ThreadPoolExecutor(1))  # a gRPC server with none of SCD's services
     port = other.add_insecure_port("127.0.0.1:0")
     other.start()
@@ -68,11 +72,66 @@ def test_tls_on_one_side_only_or_a_certificate_that_does_not_verify_is_named(bas
 
     with InProcessServices([], make_producer) as s:
         tls = s.producer_address
-        assert _failure(tls).startswith(f"{tls} serves TLS: give the CA that signed its certificate (--tls-ca)")
-        assert _failure(tls, other_ca).startswith(f"{tls}'s TLS certificate does not verify against --tls-ca")
+        assert _failure(tls).startswith(f"{tls} serves TLS: set --tls-ca to the CA that signed its")
+        assert _failure(tls, other_ca).startswith(f"{tls} has a TLS certificate that does not verify against --tls-ca")
         https = f"127.0.0.1:{s.producer_server.http.port}"
         assert _failure(https, ca).startswith(f"{https} is an HTTP/1 server")
     assert _failure(svc.producer_address, ca).startswith(f"{svc.producer_address} does not serve TLS: leave out")
+
+
+def test_the_producer_names_a_consumer_address_that_is_an_http_port_or_tls_on_one_side_only(base, svc, tmp_path,
+                                                                                           caplog):
+    """Each was "unavailable" in /health and the log, and a request got UNAVAILABLE "... Socket closed;
+    retry, or check the consumer's health": no retry helps, the producer's settings are wrong."""
+    import logging
+
+    import httpx2 as httpx
+
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    one, two = self_signed(tmp_path / "one"), self_signed(tmp_path / "two")
+    if one is None or two is None:
+        pytest.skip("openssl CLI not available to make a test certificate")
+    tls_consumer = ConsumerEngine(ConsumerSettings.load(
+        model={"path": "unused"}, server={"port": 0}, name="tls", methods=["raw"],
+        security={"token": TOKEN, "tls_cert": one["cert"], "tls_key": one["key"]}), base)
+    web = f"127.0.0.1:{svc.producer_server.http.port}"
+
+    def producer(consumers: dict[str, str], **security):
+        def make(_):
+            s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                      consumers={n: {"address": a} for n, a in consumers.items()}, http={"port": 0},
+                                      security={"token": TOKEN, **security}, health_probe_s=0)
+            return ProducerEngine(s, base)
+        return make
+
+    def statuses(s) -> dict[str, str]:
+        s._run(s._servicer.probe_once())
+        return httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health").json()["consumers"]
+
+    def refusal(s, name: str) -> str:
+        with pytest.raises(grpc.RpcError) as ei:
+            client.generate(s.producer_address, client.request(PROMPT, consumer=name, method="raw",
+                                                               max_new_tokens=2), timeout=30, token=TOKEN)
+        assert ei.value.code() == grpc.StatusCode.INTERNAL, (ei.value.code(), ei.value.details())
+        return ei.value.details()
+
+    with InProcessServices([tls_consumer], producer({"web": web})) as a, caplog.at_level(logging.WARNING):
+        tls = a.consumer_addresses["tls"]
+        with InProcessServices([], producer({"web": web, "tls": tls})) as s:
+            said = statuses(s)
+            assert said["web"].startswith("is an HTTP/1 server (the consumer's HTTP port?)"), said
+            assert said["tls"] == "serves TLS: set security.peer_ca to the CA that signed its certificate", said
+            assert f"consumer 'web' at {web}: is an HTTP/1 server" in caplog.text, caplog.text
+            assert refusal(s, "web").startswith(f"consumer 'web': the producer's consumers.web.address ({web}) is an "
+                                                "HTTP/1 server")
+            assert "consumers.tls.address" in refusal(s, "tls")
+        plain = svc.consumer_addresses["chat"]
+        with InProcessServices([], producer({"tls": tls, "chat": plain}, peer_ca=two["cert"])) as s:
+            said = statuses(s)
+            assert said["tls"].startswith("has a TLS certificate that does not verify against security.peer_ca"), said
+            assert said["chat"] == "does not serve TLS: leave out security.peer_ca", said
+            assert "does not serve TLS" in refusal(s, "chat")
 
 
 @pytest.mark.parametrize("content, said", [
