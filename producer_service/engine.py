@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
 from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
-from shared.codecs import CODECS, CodecContext, TransferMethod, make_method
+from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, parse_variant
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
 from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
@@ -113,7 +113,17 @@ class ProducerEngine(Engine):
         s = self.settings
         if req.consumer not in s.consumers:
             raise NotFound(f"unknown consumer {clip(req.consumer)}; this producer knows {sorted(s.consumers)}")
-        kind = req.method or s.default_method
+        label = req.method or s.default_method
+        try:  # a method with settings, KIND:KEY=VALUE;KEY=VALUE, as the CLI and the benchmarks write it
+            kind, given = parse_variant(label)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        params = dict(req.method_params)
+        for key, value in given.items():
+            if req.method and params.get(key, value) != value:
+                raise InvalidRequest(f"method {clip(label)} sets {key}={value} and method_params sets {key}="
+                                     f"{clip(params[key])}; give each setting once")
+            params.setdefault(key, value)  # the request's method_params win over default_method's settings
         if kind not in s.methods:
             if kind in CODECS:  # a real method this producer was not set up to offer
                 raise UnknownMethod(f"transfer method {kind!r} is not enabled on this producer (it offers "
@@ -123,7 +133,6 @@ class ProducerEngine(Engine):
         check_ids(req.request_id)
         check_sampling(req.sampling)
         ctx = self.ctxs[req.consumer]
-        params = dict(req.method_params)
         auto = AutoSettings.parse(params) if kind == "auto" else None
         if auto is not None and "auto" not in ctx.profiles:
             raise PreconditionFailed(f"method 'auto' needs the operating table of consumer {req.consumer!r}: run "

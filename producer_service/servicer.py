@@ -188,7 +188,8 @@ class ProducerServicer(pbg.ProducerServicer):
         if not request.request_id:  # one id for the stream, the consumer's log and the request log
             request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
         method, outcome, fallback = request.method or self.engine.settings.default_method, "cancelled", "none"
-        if method not in self.engine.settings.methods:
+        method = method.partition(":")[0]  # the kind of a method with settings (scd:block_tokens=0.35)
+        if method not in self.engine.settings.methods:  # a bounded set of metric labels
             method = "unknown"
         t0, first, last = time.perf_counter(), None, None
         try:

@@ -19,6 +19,7 @@ from shared.config import (
     check_grpc_target,
     check_method_names,
 )
+from shared.errors import SCDError
 from shared.rpc.security import SecuritySettings
 
 
@@ -98,6 +99,15 @@ class ProducerSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _default_enabled(self):
-        if self.default_method not in self.methods:
-            raise ValueError(f"default_method {self.default_method!r} must be one of methods {list(self.methods)}")
+        kind = self.default_method.partition(":")[0]  # a method with settings: scd:block_tokens=0.35
+        if kind not in self.methods:
+            raise ValueError(f"default_method {self.default_method!r} must be one of methods {list(self.methods)}"
+                             + (f" (its kind {kind!r} is not)" if kind != self.default_method else ""))
+        if kind != self.default_method:
+            from shared.codecs import check_settings, parse_variant  # torch: only for a method with settings
+
+            try:
+                check_settings(*parse_variant(self.default_method))
+            except (SCDError, ValueError) as e:
+                raise ValueError(f"default_method: {e}") from None
         return self

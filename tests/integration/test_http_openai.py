@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx2 as httpx
 import pytest
-from ops_common import TOKEN, http
+from ops_common import PROMPT, TOKEN, http
 
 H = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -137,3 +137,50 @@ def test_a_failed_request_is_logged_with_its_outcome(svc, caplog):
     assert r.status_code == 404 and r.headers["x-request-id"] == "no-such"
     assert any(x.startswith("request=no-such consumer=chat method=unknown outcome=not_found")
                for x in _access(caplog)), _access(caplog)
+
+
+def test_a_method_with_settings_is_taken_as_the_cli_writes_it(svc, base, tok):
+    """`scd generate --method raw:dtype=float32`, `scd bench --methods ...` and the README write a method
+    with its settings as KIND:KEY=VALUE; sent as a request's method it was "unknown transfer method"."""
+    import grpc
+    from ops_common import gen
+
+    from producer_service.engine import ProducerEngine
+    from producer_service.settings import ProducerSettings
+    from tools.inprocess import InProcessServices
+
+    fp16 = gen(svc, consumer="same", method="raw", max_new_tokens=2).timings.wire_bytes
+    fp32 = gen(svc, consumer="same", method="raw", method_params={"dtype": "float32"}, max_new_tokens=2)
+    assert fp32.timings.wire_bytes > fp16
+    as_label = gen(svc, consumer="same", method="raw:dtype=float32", max_new_tokens=2)
+    assert as_label.timings.wire_bytes == fp32.timings.wire_bytes and as_label.token_ids == fp32.token_ids
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60, json={
+        "model": "same", "prompt": "hi there", "max_tokens": 2, "method": "raw:dtype=float32"})
+    assert r.status_code == 200 and r.json()["scd_timings"]["method"] == "raw", r.text[:300]
+    def refused_raw() -> float:  # a method with settings is counted under its kind (was "unknown")
+        text = httpx.get(http(svc) + "/metrics", headers=H, timeout=10).text
+        line = 'scd_producer_requests_total{fallback="none",method="raw",outcome="invalid_argument"} '
+        return sum(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
+
+    before = refused_raw()
+    for kw, said in [(dict(method="raw:dtype=float32", method_params={"dtype": "float16"}), "give each setting once"),
+                     (dict(method="raw:dtype"), "settings are KEY=VALUE"),
+                     (dict(method="raw:dtype=float8"), "dtype: Input should be")]:
+        with pytest.raises(grpc.RpcError) as ei:
+            gen(svc, consumer="same", max_new_tokens=2, **kw)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and said in ei.value.details(), ei.value.details()
+    assert refused_raw() == before + 3
+
+    def make_producer(addresses):  # the operator's default may carry settings too; a request's own win
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw:dtype=float32",
+                                  consumers={"same": {"address": svc.consumer_addresses["same"]}},
+                                  security={"token": TOKEN}, health_probe_s=0)
+        return ProducerEngine(s, base, tok)
+
+    with InProcessServices([], make_producer) as s:
+        from tools import client
+
+        def sent(**kw) -> int:
+            req = client.request(PROMPT, consumer="same", max_new_tokens=2, **kw)
+            return client.generate(s.producer_address, req, timeout=60, token=TOKEN).timings.wire_bytes
+        assert sent() == fp32.timings.wire_bytes and sent(method_params={"dtype": "float16"}) == fp16
