@@ -77,3 +77,18 @@ def test_demo_options_are_refused_before_the_services_start(args, match):
 
     res = CliRunner().invoke(app, ["demo", "--pair", "nope", *args])
     assert res.exit_code == 2 and match in " ".join(res.output.replace("│", " ").split()), res.output
+
+
+@pytest.mark.parametrize("args, bad", [
+    (["--tokens", "5,1000"], "--tokens 5:"),  # shorter than the chat template: refused once the services ran
+    (["--tokens", "1000,5000"], "--tokens 5000:"),  # past the services' max_prompt_tokens: the same
+    (["--fleet", "--tokens", "5000"], "--tokens 5000:"),
+])
+def test_a_prompt_length_the_services_would_refuse_is_refused_before_they_start(real_assets, args, bad):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--methods", "raw", *args])
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and bad in said and "give lengths from 31 to 4096" in said, res.output

@@ -126,6 +126,7 @@ def run(cfg: FleetConfig, progress: bool = True) -> dict:
     producer, members, tok = _members(cfg)
     tables = _tables(members)
     prompts = Prompts(tok, _vocab(producer))
+    prompts.check(cfg.tokens, model=producer)
     rng = random.Random(cfg.seed)
     kinds = tuple(dict.fromkeys([variant(p)[0] for p in cfg.policies]  # and every method auto may choose
                                 + ([pt["method"] for t in tables.values() for pt in t.values()]

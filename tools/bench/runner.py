@@ -91,11 +91,29 @@ class Prompts:
             pool.extend(body)
         self.pool = pool
 
+    def check(self, *lengths: int, model: str | None = None) -> None:
+        """BenchError naming ``--tokens`` for a prompt length this builder cannot make, or that the
+        services (default settings) would refuse for the ``model`` folder's context, before any
+        service starts."""
+        from consumer_service.settings import ConsumerSettings
+        from producer_service.settings import ProducerSettings
+
+        t = len(self.prefix) + len(self.tail)
+        top = min(t + len(self.pool) - 1, *(s.model_fields["max_prompt_tokens"].default
+                                            for s in (ProducerSettings, ConsumerSettings)))
+        if model is not None:
+            top = min(top, int(json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+                               or top))
+        bad = [n for n in lengths if not t < n <= top]
+        if bad:
+            raise BenchError(f"--tokens {','.join(map(str, bad))}: a prompt is the pair's chat template ({t} tokens) "
+                             f"and text from the test split, within the services' prompt limit; give lengths from "
+                             f"{t + 1} to {top}")
+
     def get(self, n: int, offset: int = 0) -> list[int]:
         m = n - len(self.prefix) - len(self.tail)
-        if m < 1 or m >= len(self.pool):
-            raise BenchError(f"cannot build a {n}-token prompt (template {len(self.prefix) + len(self.tail)} tokens, "
-                             f"text pool {len(self.pool)} tokens)")
+        if not 1 <= m < len(self.pool):
+            self.check(n)
         o = offset % (len(self.pool) - m)
         return self.prefix + self.pool[o : o + m] + self.tail
 
@@ -215,6 +233,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
     check_privileges()
     pm, cm, adapter, tok, store = _models(cfg)
     prompts = Prompts(tok, _vocab(pm))
+    prompts.check(*cfg.tokens, model=pm)
     name = cfg.pair
     transfer = [m for m in cfg.methods if CODECS[variant(m)[0]].transfers_layers]
     per_cell = {m: 1 + cfg.repeats if m not in transfer else
