@@ -109,10 +109,17 @@ class ProducerEngine(Engine):
         return self.formats.get(consumer, self.format)
 
     # ------------------------------------------------------------------ requests
+    def check_consumers(self, *names: str, param: str | None = None) -> None:
+        """NotFound naming the consumers this producer does not know (``param``: the request field)."""
+        unknown = [n for n in names if n not in self.settings.consumers]
+        if unknown:
+            said = clip(unknown[0]) if len(unknown) == 1 else f"{[clip(n) for n in unknown]}"
+            raise NotFound(f"unknown consumer{'s' if len(unknown) > 1 else ''} {said}; this producer knows "
+                           f"{sorted(self.settings.consumers)}", param=param)
+
     def prepare(self, req: GenerateRequest) -> Prepared:
         s = self.settings
-        if req.consumer not in s.consumers:
-            raise NotFound(f"unknown consumer {clip(req.consumer)}; this producer knows {sorted(s.consumers)}")
+        self.check_consumers(req.consumer)
         label = req.method or s.default_method
         try:  # a method with settings, KIND:KEY=VALUE;KEY=VALUE, as the CLI and the benchmarks write it
             kind, given = parse_variant(label)

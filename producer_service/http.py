@@ -28,13 +28,21 @@ from producer_service.openai_api import (
     prompt_ids,
     to_request,
     validation_message,
+    validation_param,
 )
 from producer_service.servicer import ProducerServicer
 from shared.config import consumer_list
 from shared.domain import TokenEvent
-from shared.errors import InvalidRequest, NotFound, SCDError, clip
+from shared.errors import InvalidRequest, SCDError, clip
 from shared.rpc.errors import status_for
-from shared.rpc.http import add_auth, add_metrics_routes, add_route_errors, error_body, error_response
+from shared.rpc.http import (
+    add_auth,
+    add_metrics_routes,
+    add_route_errors,
+    error_body,
+    error_response,
+    exception_response,
+)
 
 
 def _scd_timings(ev: TokenEvent) -> dict:
@@ -122,7 +130,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        return error_response(grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc.errors()))
+        return error_response(grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc.errors()),
+                              validation_param(exc.errors()))
 
     add_route_errors(app, "POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/NAME], GET /health, "
                           "GET /metrics")
@@ -322,15 +331,14 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                 try:
                     names = consumer_list(body.model)
                 except ValueError as e:
-                    raise InvalidRequest(f"model {body.model!r}: {e}") from None
-                unknown = [n for n in names if n not in s.consumers]
-                if unknown:
-                    raise NotFound(f"unknown consumer(s) {unknown}; this producer knows {sorted(s.consumers)}")
+                    raise InvalidRequest(f"model {body.model!r}: {e}", param="model") from None
+                eng.check_consumers(*names, param="model")
                 return await fan_out(body, names, [encode(eng.prompt_format(n), body, s.max_prompt_chars)
                                                    for n in names], chat, request_id)
+            eng.check_consumers(body.model, param="model")
             ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
-            return error_response(*status_for(e))
+            return exception_response(e)
         return await run(body, ids, chat, request_id)
 
     async def answer(request: Request, body, encode, chat: bool) -> Response:

@@ -168,37 +168,45 @@ def validation_message(errors) -> str:
     return f"invalid request: {msg[:2000]}"
 
 
+def validation_param(errors) -> str | None:
+    """The field the first complaint is about (``messages.0.role``), for the error body's ``param``;
+    None for a body that is wrong as a whole."""
+    loc = next((e.get("loc", ()) for e in errors if e.get("type") != "json_invalid"), ())[1:]
+    return ".".join(str(p) for p in loc) or None
+
+
 def prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:
     p = body.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
     if isinstance(p, list) and p and not all(isinstance(x, int) for x in p):
-        raise InvalidRequest("send one prompt per request (a string or a list of token ids)")
+        raise InvalidRequest("send one prompt per request (a string or a list of token ids)", param="prompt")
     if isinstance(p, list):
         return [int(x) for x in p]  # type: ignore[arg-type]  # checked above: all ints
     if fmt is None:
-        raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids")
+        raise InvalidRequest("this producer has no tokenizer; send the prompt as token ids", param="prompt")
     if not p.strip():
-        raise InvalidRequest("prompt is empty; send a non-empty prompt")
+        raise InvalidRequest("prompt is empty; send a non-empty prompt", param="prompt")
     if len(p) > max_chars:
-        raise InvalidRequest(f"prompt has {len(p)} characters; the limit is {max_chars}")
+        raise InvalidRequest(f"prompt has {len(p)} characters; the limit is {max_chars}", param="prompt")
     return fmt.encode_text(p)[0]  # a completion prompt is plain text: the tokenizer's BOS, if any, then the text
 
 
 def chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
     if fmt is None:
-        raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids")
+        raise InvalidRequest("this producer has no tokenizer; use /v1/completions with token ids", param="messages")
     for i, m in enumerate(body.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text":
                 raise InvalidRequest(f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
-                                     "parts only")
+                                     "parts only", param=f"messages.{i}.content.{j}")
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     if not any(m["content"].strip() for m in msgs):
-        raise InvalidRequest("messages carry no text; send at least one message with non-empty content")
+        raise InvalidRequest("messages carry no text; send at least one message with non-empty content",
+                             param="messages")
     n = sum(len(m["content"]) for m in msgs)
     if n > max_chars:
-        raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}")
+        raise InvalidRequest(f"messages have {n} characters; the limit is {max_chars}", param="messages")
     return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
 
 

@@ -13,7 +13,12 @@ def clip(text: str, n: int = 64) -> str:
 
 
 class SCDError(Exception):
-    """Base of every domain error."""
+    """Base of every domain error. ``param``: the request field at fault, where one is (the HTTP
+    front's OpenAI-style error body names it)."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidRequest(SCDError, ValueError):

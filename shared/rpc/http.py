@@ -29,8 +29,9 @@ HTTP_STATUS = {
 OPEN_PATHS = ("/health",)
 
 
-def error_body(code: grpc.StatusCode, message: str) -> dict:
-    return {"error": {"message": message, "type": code.name.lower(), "code": code.name, "param": None}}
+def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object; ``param`` names the request field at fault, where one is."""
+    return {"error": {"message": message, "type": code.name.lower(), "code": code.name, "param": param}}
 
 
 RETRY_AFTER_S = 1
@@ -38,13 +39,20 @@ RETRY_AFTER_S = 1
 (OpenAI's client libraries honour ``Retry-After``)."""
 
 
-def error_response(code: grpc.StatusCode, message: str) -> JSONResponse:
+def error_response(code: grpc.StatusCode, message: str, param: str | None = None) -> JSONResponse:
     headers = None
     if code == grpc.StatusCode.UNAUTHENTICATED:
         headers = {"WWW-Authenticate": "Bearer"}
     elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
-    return JSONResponse(error_body(code, message), status_code=HTTP_STATUS.get(code, 500), headers=headers)
+    return JSONResponse(error_body(code, message, param), status_code=HTTP_STATUS.get(code, 500), headers=headers)
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    """A domain error as its status's response, naming its ``param`` (``shared.errors.SCDError``)."""
+    from shared.rpc.errors import status_for
+
+    return error_response(*status_for(exc), param=getattr(exc, "param", None))
 
 
 def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) -> None:

@@ -184,3 +184,27 @@ def test_a_method_with_settings_is_taken_as_the_cli_writes_it(svc, base, tok):
             req = client.request(PROMPT, consumer="same", max_new_tokens=2, **kw)
             return client.generate(s.producer_address, req, timeout=60, token=TOKEN).timings.wire_bytes
         assert sent() == fp32.timings.wire_bytes and sent(method_params={"dtype": "float16"}) == fp16
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "   ", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "model": "nope"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "chat,nope"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "chat,,"}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, "tools"),
+])
+def test_an_error_names_the_field_at_fault_as_openai_does(svc, path, body, param):
+    """OpenAI's error object has ``param`` (the openai client's ``e.param``); it was always null."""
+    import openai
+
+    oc = openai.OpenAI(base_url=http(svc) + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    body = {"model": "chat", **body}
+    with pytest.raises(openai.APIStatusError) as ei:
+        oc.post(path.removeprefix("/v1"), body=body, cast_to=object)
+    assert ei.value.status_code in (400, 404) and ei.value.body["param"] == param, ei.value.body
