@@ -124,19 +124,20 @@ class ProducerEngine(Engine):
         try:  # a method with settings, KIND:KEY=VALUE;KEY=VALUE, as the CLI and the benchmarks write it
             kind, given = parse_variant(label)
         except ValueError as e:
-            raise InvalidRequest(str(e)) from None
+            raise InvalidRequest(str(e), param="method") from None
         params = dict(req.method_params)
         for key, value in given.items():
             if req.method and params.get(key, value) != value:
                 raise InvalidRequest(f"method {clip(label)} sets {key}={value} and method_params sets {key}="
-                                     f"{clip(params[key])}; give each setting once")
+                                     f"{clip(params[key])}; give each setting once", param="method_params")
             params.setdefault(key, value)  # the request's method_params win over default_method's settings
         if kind not in s.methods:
             if kind in CODECS:  # a real method this producer was not set up to offer
                 raise UnknownMethod(f"transfer method {kind!r} is not enabled on this producer (it offers "
                                     f"{list(s.methods)}); the operator adds it to the `methods` setting of the "
-                                    "producer and of the consumer")
-            raise UnknownMethod(f"unknown transfer method {clip(kind)}; this producer offers {list(s.methods)}")
+                                    "producer and of the consumer", param="method")
+            raise UnknownMethod(f"unknown transfer method {clip(kind)}; this producer offers {list(s.methods)}",
+                                param="method")
         check_ids(req.request_id)
         check_sampling(req.sampling)
         ctx = self.ctxs[req.consumer]

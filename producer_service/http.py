@@ -162,7 +162,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             first = None
         except Exception as e:  # noqa: BLE001 - mapped like the gRPC side
             await events.aclose()
-            return error_response(*status_for(e))
+            return exception_response(e)
 
         def usage(ev: TokenEvent | None) -> dict | None:
             if ev is None or ev.timings is None:
@@ -187,7 +187,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                             text += ev.text
                             last = ev
                     except Exception as e:  # noqa: BLE001
-                        return error_response(*status_for(e))
+                        return exception_response(e)
             finish = last.finish_reason if last is not None else "stop"
             c = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                   "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
