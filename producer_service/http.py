@@ -64,7 +64,8 @@ def _choice(index: int, text: str, finish: str | None, chat: bool) -> dict:
 
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is refused with 413, by its
-    Content-Length before it is read, or as it arrives when it is chunked (never read whole)."""
+    Content-Length before it is read, or as it arrives when it is chunked (never read whole); a
+    compressed one (Content-Encoding) with 415."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -73,7 +74,12 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         msg = f"request body over {self.limit} bytes (max_http_body_bytes); send a smaller request"
-        n = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        coding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if coding not in ("", "identity"):  # a compressed body would be read as broken JSON
+            return await _send_error(send, 415, f"Content-Encoding {clip(coding)} is not supported: send the body "
+                                                "uncompressed (leave the header out)")
+        n = headers.get(b"content-length")
         if n is not None and (not n.isdigit() or int(n) > self.limit):
             return await _send_error(send, 413, msg)
         seen, over, started = 0, False, False

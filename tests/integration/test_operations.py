@@ -240,3 +240,20 @@ def test_http_body_and_prompt_sizes_are_bounded(svc):
     assert long.status_code == 400 and "limit" in long.json()["error"]["message"]
     bad = httpx.post(http(svc) + "/v1/chat/completions", headers=h, timeout=30, json={"model": "chat", "messages": []})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "deflate, gzip"])
+def test_a_compressed_body_is_refused_as_such(svc, coding):
+    """A gzip body was read as broken JSON ("the body is not text (utf-8: invalid start byte...)")."""
+    import gzip
+    import json
+
+    raw = json.dumps({"model": "chat", "prompt": "hi", "max_tokens": 2}).encode()
+    r = httpx.post(http(svc) + "/v1/completions", timeout=30, content=gzip.compress(raw),
+                   headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json",
+                            "content-encoding": coding})
+    assert r.status_code == 415 and "send the body uncompressed" in r.json()["error"]["message"], r.text
+    ok = httpx.post(http(svc) + "/v1/completions", timeout=30, content=raw,
+                    headers={"authorization": f"Bearer {TOKEN}", "content-type": "application/json",
+                             "content-encoding": "identity"})
+    assert ok.status_code == 200, ok.text
