@@ -400,6 +400,25 @@ def test_an_unwritable_home_is_named_with_what_to_set(home, folders, monkeypatch
     assert res.exit_code == 2 and "set SCD_HOME to a writable folder" in said(res), res.output
 
 
+@pytest.mark.parametrize("content, match", [
+    (None, "is a folder; SCD_PAIRS names the registry's file"),  # was an IsADirectoryError traceback
+    ("{bad", "cannot be read (Invalid JSON: key must be a string at line 1 column 2)"),  # was "(1 validation
+    ('{"format_version": 1, "pairs": {"x": {"producer": 3}}}', "(pairs.x.name: Field required; "),  # error for
+    (b"\xff\xfe", "cannot be read: 'utf-8' codec can't decode"),  # Registry)", which said nothing of where
+])
+def test_a_registry_file_that_cannot_be_used_says_why(home, monkeypatch, tmp_path, content, match):
+    path = tmp_path / "pairs.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    monkeypatch.setenv("SCD_PAIRS", str(path))
+    res = CliRunner().invoke(app, ["pair", "list"])
+    assert res.exit_code == 2 and match in said(res), res.output
+
+
 @pytest.mark.parametrize("command", [["eval", "--pair", "nope", "--json"], ["bench", "--quick", "--json"],
                                      ["bench", "--quick", "--png"], ["drift", "--pair", "nope", "--json"],
                                      ["calibrate", "--pair", "nope", "--out"]])

@@ -20,8 +20,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shared.config import field_errors
 from shared.errors import ConfigError, NotFound
 from shared.paths import STORE_DIR, scd_home
 
@@ -108,11 +109,20 @@ def load() -> Registry:
     path = registry_path()
     if not path.exists():
         return Registry()
+    if path.is_dir():
+        raise RegistryError(f"pair registry {path} is a folder; SCD_PAIRS names the registry's file (e.g. "
+                            f"{path / 'pairs.json'})")
     try:
-        reg = Registry.model_validate_json(path.read_text())
-    except ValueError as e:
-        raise RegistryError(f"pair registry {path} cannot be read ({str(e).splitlines()[0]}); fix or delete "
-                            "it") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RegistryError(f"pair registry {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        reg = Registry.model_validate_json(text)
+    except ValidationError as e:
+        said = "; ".join(field_errors(e))
+        said = said if len(said) <= 300 else said[:300] + "..."
+        raise RegistryError(f"pair registry {path} cannot be read ({said}); fix or delete it "
+                            "(then `scd assets` and `scd pair add` register the pairs again)") from None
     if reg.format_version != FORMAT_VERSION:
         raise RegistryError(f"pair registry {path} has format {reg.format_version}; this build reads {FORMAT_VERSION}")
     return reg
