@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
 from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
-from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, parse_variant
+from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, resolve_variant
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
 from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
@@ -120,17 +120,9 @@ class ProducerEngine(Engine):
     def prepare(self, req: GenerateRequest) -> Prepared:
         s = self.settings
         self.check_consumers(req.consumer)
-        label = req.method or s.default_method
-        try:  # a method with settings, KIND:KEY=VALUE;KEY=VALUE, as the CLI and the benchmarks write it
-            kind, given = parse_variant(label)
-        except ValueError as e:
-            raise InvalidRequest(str(e), param="method") from None
-        params = dict(req.method_params)
-        for key, value in given.items():
-            if req.method and params.get(key, value) != value:
-                raise InvalidRequest(f"method {clip(label)} sets {key}={value} and method_params sets {key}="
-                                     f"{clip(params[key])}; give each setting once", param="method_params")
-            params.setdefault(key, value)  # the request's method_params win over default_method's settings
+        # a method with settings, KIND:KEY=VALUE;KEY=VALUE, as the CLI and the benchmarks write it; the
+        # request's method_params win over default_method's settings
+        kind, params = resolve_variant(req.method or s.default_method, dict(req.method_params), strict=bool(req.method))
         if kind not in s.methods:
             if kind in CODECS:  # a real method this producer was not set up to offer
                 raise UnknownMethod(f"transfer method {kind!r} is not enabled on this producer (it offers "

@@ -63,7 +63,7 @@ from integrations.vllm_connector.transfers import (
     prompt_key,
     serve_receiver,
 )
-from shared.codecs import CodecContext, make_method
+from shared.codecs import CodecContext, make_method, resolve_variant
 from shared.errors import SCDError, UnknownMethod
 from shared.model.hf_adapter import ModelAdapter
 from shared.rpc import scd_pb2 as pb
@@ -254,7 +254,7 @@ class SCDConnector(KVConnectorBase_V1):
             art = _artifacts(self.cfg.artifacts, "producer", None, self.fingerprint)
             self.ctx = _context(self.model, art)
             self._methods: dict[tuple, Any] = {}
-            self.default = (self.cfg.method, self.cfg.params())
+            self.default = self.cfg.default()
             self._method(*self.default)  # fail fast on the engine's own settings
             self._consumers = dict(self.cfg.consumers)
             self._default_consumer = self.cfg.consumer
@@ -273,6 +273,7 @@ class SCDConnector(KVConnectorBase_V1):
 
     def _method(self, kind: str, params: dict[str, str]):
         """The registered method ``kind`` with ``params``, made once (``SCDError`` when it cannot run here)."""
+        kind, params = resolve_variant(kind, params)  # a request's scd_method may carry settings (raw:dtype=float32)
         key = (kind, tuple(sorted(params.items())))
         if key not in self._methods:
             check_method(kind)

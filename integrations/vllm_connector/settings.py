@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from integrations.vllm_connector.transfers import SUPPORTED, check_method
+from shared.codecs import parse_variant, resolve_variant
 from shared.config import Bytes, Checked, check_consumer_names, check_grpc_target, field_errors, one_of
-from shared.errors import UnknownMethod
+from shared.errors import InvalidRequest, UnknownMethod
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
 
@@ -49,10 +50,24 @@ class ProducerExtra(_Extra):
     @field_validator("method")
     @classmethod
     def _method(cls, v: str) -> str:
-        return _runnable(v)[0]
+        kind, _ = parse_variant(v)  # a method with settings, as the CLI writes it: raw:dtype=float32
+        _runnable(kind)
+        return v
+
+    @model_validator(mode="after")
+    def _settings_once(self):
+        try:
+            resolve_variant(self.method, self.params())
+        except InvalidRequest as e:
+            raise ValueError(str(e)) from None
+        return self
 
     def params(self) -> dict[str, str]:
         return {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in self.method_params.items()}
+
+    def default(self) -> tuple[str, dict[str, str]]:
+        """The default method's kind and settings (those in ``method`` and ``method_params`` together)."""
+        return resolve_variant(self.method, self.params())
 
 
 class ConsumerExtra(_Extra):

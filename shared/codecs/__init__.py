@@ -15,7 +15,7 @@ from shared.codecs.scd import SCD, SCDReuse
 from shared.codecs.selective_recompute import DroidSpeak
 from shared.codecs.spectrum import SpectrumKV
 from shared.config import field_errors
-from shared.errors import InvalidRequest, UnknownMethod
+from shared.errors import InvalidRequest, UnknownMethod, clip
 
 
 def _registry(*classes: type[TransferMethod]) -> dict[str, type[TransferMethod]]:
@@ -86,6 +86,24 @@ def parse_variant(label: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"method variant {label!r}: settings are KEY=VALUE, e.g. scd:block_tokens=0.5")
         params[key] = value
     return kind, params
+
+
+def resolve_variant(label: str, params: dict[str, str], strict: bool = True) -> tuple[str, dict[str, str]]:
+    """A method label that may carry settings (``scd:block_tokens=0.35``) and the settings given beside
+    it (a request's ``method_params``) -> (kind, settings). A setting given both ways with two values
+    is an InvalidRequest when ``strict``; else (the label is a default, e.g. the producer's
+    ``default_method``) ``params`` win."""
+    try:
+        kind, given = parse_variant(label)
+    except ValueError as e:
+        raise InvalidRequest(str(e), param="method") from None
+    out = dict(params)
+    for key, value in given.items():
+        if strict and out.get(key, value) != value:
+            raise InvalidRequest(f"method {clip(label)} sets {key}={value} and method_params sets {key}="
+                                 f"{clip(out[key])}; give each setting once", param="method_params")
+        out.setdefault(key, value)
+    return kind, out
 
 
 def check_settings(kind: str, params: dict[str, str] | None = None) -> None:

@@ -15,6 +15,10 @@ def test_each_role_takes_its_documented_settings():
                                     "max_held_bytes": "512MiB", "frame_timeout_s": 5, "producer_fingerprint": "ab"})
     assert isinstance(c, ConsumerExtra) and c.max_held_bytes == 512 << 20 and c.methods == ("raw", "scd-reuse")
     assert parse_extra("kv_consumer", None).listen == "127.0.0.1:50061"  # none given: the defaults
+    assert p.default() == ("quant", {"bits": "4", "residual": "0"})
+    # a method with settings, as the CLI and the services take it (was "unknown method 'quant:bits=4'")
+    v = parse_extra("kv_producer", {"method": "quant:bits=4", "method_params": {"residual": 0}})
+    assert isinstance(v, ProducerExtra) and v.default() == ("quant", {"bits": "4", "residual": "0"})
 
 
 @pytest.mark.parametrize("role, extra, said", [
@@ -32,6 +36,10 @@ def test_each_role_takes_its_documented_settings():
     ("kv_consumer", {"ttl_s": True}, "ttl_s: Input should be a valid number"),  # not 1 second
     ("kv_consumer", {"max_held_bytes": "2g"}, "'2g' is ambiguous"),
     ("kv_producer", {"method_params": {"bits": [4]}}, "method_params.bits: send a string, number or boolean"),
+    ("kv_producer", {"method": "raw:dtype"}, "method: method variant 'raw:dtype': settings are KEY=VALUE"),
+    ("kv_producer", {"method": "scd:block_tokens=0.35"}, "method 'scd' cannot run in the vLLM connector"),
+    ("kv_producer", {"method": "quant:bits=4", "method_params": {"bits": 8}}, "method 'quant:bits=4' sets bits=4 and "
+                                                                              "method_params sets bits='8'; give each"),
 ])
 def test_a_setting_the_role_does_not_take_is_named(role, extra, said):
     with pytest.raises(ValueError) as e:

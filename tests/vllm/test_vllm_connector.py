@@ -198,3 +198,20 @@ def test_scd_is_refused_in_the_connector_and_the_prompt_computed(engines, prompt
     assert stats(engines, "p", "worker")["method_refused"] == refused + 2
     res = consume(engines, other)
     assert res.num_cached_tokens == 0 and list(res.outputs[0].token_ids) == list(own.outputs[0].token_ids)
+
+
+def test_a_request_method_with_settings_is_taken_as_the_cli_writes_it(engines, prompt):
+    """``kv_transfer_params: {"scd_method": "raw:dtype=float32"}`` was refused as an unknown method."""
+    from tools import data
+
+    others = [it.prompt_ids[:N_PROMPT] for it in data.load("qa", "test", 16)
+              if len(it.prompt_ids) > N_PROMPT and it.prompt_ids[:N_PROMPT] != prompt][-3:]
+    before = stats(engines, "p", "worker")
+    produce(engines, others[0])  # the engine's default: raw, float16 on the wire
+    mid = stats(engines, "p", "worker")
+    produce(engines, others[1], scd_method="raw:dtype=float32")
+    after = stats(engines, "p", "worker")
+    fp16, fp32 = mid["wire_bytes"] - before.get("wire_bytes", 0), after["wire_bytes"] - mid["wire_bytes"]
+    assert after["sent"] == mid["sent"] + 1 and fp32 > 1.8 * fp16, (fp16, fp32)
+    produce(engines, others[2], scd_method="raw:dtype=float32", scd_method_params={"dtype": "float16"})
+    assert stats(engines, "p", "worker")["method_refused"] == after.get("method_refused", 0) + 1  # set twice
