@@ -55,6 +55,7 @@ from integrations.vllm_connector import paged
 from integrations.vllm_connector.engine_model import EngineModel
 from integrations.vllm_connector.settings import ConsumerExtra, ProducerExtra, parse_extra
 from integrations.vllm_connector.transfers import (
+    AddressDoctor,
     Outgoing,
     Receiver,
     TransferFailed,
@@ -259,6 +260,7 @@ class SCDConnector(KVConnectorBase_V1):
             self._consumers = dict(self.cfg.consumers)
             self._default_consumer = self.cfg.consumer
             self._channels: dict[str, grpc.Channel] = {}
+            self._doctor = AddressDoctor()
         else:
             c = self.cfg
             producer_fp = c.producer_fingerprint
@@ -286,10 +288,13 @@ class SCDConnector(KVConnectorBase_V1):
         if name and name not in self._consumers:
             raise UnknownMethod(f"unknown consumer {name!r} in kv_transfer_params scd_consumer; this producer "
                                 f"engine knows {sorted(self._consumers)}")
-        address = self._consumers[name] if name else self._default_consumer
+        address = self._address(name)
         if address not in self._channels:
             self._channels[address] = grpc.insecure_channel(address)
         return pbg.KVReceiverStub(self._channels[address])
+
+    def _address(self, name: str) -> str:
+        return self._consumers.get(name, self._default_consumer) if name else self._default_consumer
 
     def _layer(self, name: str) -> int:
         m = LAYER_RE.search(name)
@@ -408,7 +413,8 @@ class SCDConnector(KVConnectorBase_V1):
             except grpc.RpcError as e:
                 out.abort()
                 self._count(send_failed=1)
-                log.warning("SCD connector: the consumer refused %s: %s: %s", spec.req_id, e.code().name, e.details())
+                log.warning("SCD connector: the consumer refused %s: %s", spec.req_id,
+                            self._doctor.explain(self._address(spec.consumer), e))
         self._out = {}
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from shared.codecs import CODECS, CodecContext, DecodeJob, make_method
+from shared.config import GRPC_SCHEMES
 from shared.domain import HeaderReceived, LayerReceived, SamplingRequest, StreamHeader, TrailerReceived
 from shared.errors import (
     FingerprintMismatch,
@@ -37,6 +38,7 @@ from shared.errors import (
 from shared.handshake import incompatibility, pin_mismatch
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
+from shared.rpc.diagnose import socket_problem
 from shared.rpc.errors import status_for
 from shared.rpc.wire import PROTOCOL_VERSION, FrameDecoder, Limits, StreamTotals, header_frame, layer_frames
 
@@ -70,6 +72,34 @@ def check_method(kind: str) -> None:
 def prompt_key(token_ids: Sequence[int]) -> str:
     """The key both engines compute for a transfer of these token ids."""
     return hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:32]
+
+
+class AddressDoctor:
+    """Why a push to a consumer engine's address failed, found once per address and ``ttl_s``: gRPC's
+    transport words ("Socket closed", "Failed parsing HTTP/2", "Method not found!") become what
+    answers there (nothing, an HTTP port, a TLS server, another gRPC service). The probe takes a few
+    socket round trips, each up to ``timeout`` for a host that does not answer."""
+
+    def __init__(self, ttl_s: float = 60.0, timeout: float = 2.0):
+        self.ttl_s, self.timeout = ttl_s, timeout
+        self._seen: dict[str, tuple[float, str]] = {}
+
+    def explain(self, address: str, err: grpc.RpcError) -> str:
+        said = f"{err.code().name}: {err.details()}"
+        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED) or \
+                address.startswith(GRPC_SCHEMES):
+            return said
+        now = time.monotonic()
+        hit = self._seen.get(address)
+        if hit is None or now - hit[0] > self.ttl_s:
+            problem = socket_problem(address, None, None, "consumer engine", self.timeout,
+                                     port_setting="listen in its kv_connector_extra_config")
+            why = f"{address} {problem.said}" if problem else ""
+            if not why and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                why = (f"{address} is a gRPC server without scd.v1.KVReceiver (an SCD consumer service? the "
+                       "connector pushes to a consumer engine's `listen` address)")
+            hit = self._seen[address] = (now, why)
+        return f"{hit[1]} ({said})" if hit[1] else said
 
 
 class TransferFailed(SCDError):

@@ -21,14 +21,15 @@ class AddressProblem:
     not up yet."""
 
 
-def socket_problem(address: str, ca: bytes | None, ca_setting: str, role: str,
-                   timeout: float = 2.0) -> AddressProblem | None:
+def socket_problem(address: str, ca: bytes | None, ca_setting: str | None, role: str,
+                   timeout: float = 2.0, port_setting: str = "server.port") -> AddressProblem | None:
     """Why ``address`` (HOST:PORT) is no gRPC server of ``role`` ("producer", "consumer") reachable
-    as configured: TLS verified against ``ca`` (named ``ca_setting`` in the advice) or plaintext when
-    it is None. None when nothing here is wrong (the server speaks gRPC as expected)."""
+    as configured: TLS verified against ``ca`` (named ``ca_setting`` in the advice; None: a client
+    that speaks plaintext only) or plaintext when it is None. None when nothing here is wrong (the
+    server speaks gRPC as expected). ``port_setting``: where the server's gRPC port is set."""
     host, _, port_s = address.rpartition(":")
     host, port = host.strip("[]"), int(port_s)
-    grpc_port = f"the {role}'s gRPC port (server.port)"
+    grpc_port = f"the {role}'s gRPC port ({port_setting})"
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
@@ -51,6 +52,8 @@ def socket_problem(address: str, ca: bytes | None, ca_setting: str, role: str,
             tls = True
     except (ssl.SSLError, OSError):
         tls = False
+    if tls and ca_setting is None:
+        return AddressProblem("serves TLS, and this client speaks plaintext gRPC only: serve it without TLS", True)
     if tls and ca is None:
         return AddressProblem(f"serves TLS: set {ca_setting} to the CA that signed its certificate", True)
     if not tls and ca is not None:

@@ -199,3 +199,42 @@ def test_a_stalled_stream_is_cut_and_its_transfer_fails(tiny_pair):
         (entry,) = receiver.lookup([h.request_id])
     assert entry.state == "failed"
     assert receiver.counters["pushes_failed"] >= 1
+
+
+def test_a_push_to_a_wrong_address_says_what_answers_there(tiny_pair, monkeypatch):
+    """The producer engine logged gRPC's transport words ("Socket closed", "Failed parsing HTTP/2",
+    "Method not found!") for a consumer address that is an HTTP port or another service."""
+    import http.server
+    import socket
+    import threading
+    from concurrent import futures
+
+    from integrations.vllm_connector import transfers
+
+    producer, _ = tiny_pair
+    pm = EngineModel(producer.config)
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    other = grpc.server(futures.ThreadPoolExecutor(1))  # gRPC, but no scd.v1.KVReceiver
+    other_port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    doctor, probes = transfers.AddressDoctor(), []
+    real = transfers.socket_problem
+    monkeypatch.setattr(transfers, "socket_problem", lambda *a, **k: probes.append(a[0]) or real(*a, **k))
+    try:
+        for port, said in [(web.server_address[1], "is an HTTP/1 server (the consumer engine's HTTP port?)"),
+                           (closed, "refuses connections: nothing listens there (is the consumer engine running"),
+                           (other_port, "is a gRPC server without scd.v1.KVReceiver")]:
+            address = f"127.0.0.1:{port}"
+            with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as ei:
+                send(producer, pm, pbg.KVReceiverStub(ch))
+            for _ in range(2):  # the second failure at the address is said from the first probe
+                got = doctor.explain(address, ei.value)
+                assert got.startswith(f"{address} {said}") and ei.value.code().name in got, got
+            assert probes.count(address) == 1
+    finally:
+        web.shutdown()
+        other.stop(0)
