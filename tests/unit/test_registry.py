@@ -389,6 +389,23 @@ def test_serve_refuses_options_it_would_drop_or_misroute_before_loading(home, ar
     assert res.exit_code != 0 and match in said(res), res.output
 
 
+@pytest.mark.parametrize("args, env", [
+    (["serve", "consumer", "--model", "/m", "--store", "{file}"], False),
+    (["serve", "consumer", "--model", "/m"], True),
+    (["serve", "producer", "--model", "/m", "--consumer", "x=127.0.0.1:5"], True),
+    (["serve", "producer", "--model", "/m", "--consumer", "x=127.0.0.1:5", "--store", "{file}"], False),
+])
+def test_an_artifact_store_that_is_a_file_is_refused(home, monkeypatch, tmp_path, args, env):
+    """SCD_STORE or --store naming a file: the consumer served without SCD ("note: no SCD artifacts ...
+    in FILE") and the producer without a word."""
+    file = tmp_path / "store.txt"
+    file.write_text("not a folder")
+    if env:
+        monkeypatch.setenv("SCD_STORE", str(file))
+    res = CliRunner().invoke(app, [a.format(file=file) for a in args])
+    assert res.exit_code == 2 and f"the artifact store {file} is a file; it names a folder" in said(res), res.output
+
+
 def test_an_unwritable_home_is_named_with_what_to_set(home, folders, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

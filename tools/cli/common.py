@@ -128,7 +128,14 @@ class PairModels:
         return self.entry.name
 
     def store(self, override: Path | None = None) -> Path:
-        return Path(override) if override else self.entry.store_dir()
+        return check_store(Path(override) if override else self.entry.store_dir())
+
+
+def check_store(path: Path) -> Path:
+    """``path`` unless it is a file (a store may not exist yet: it is filled later)."""
+    if path.exists() and not path.is_dir():
+        fail(f"the artifact store {path} is a file; it names a folder (--store, SCD_STORE or the pair's store)")
+    return path
 
 
 def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairModels:

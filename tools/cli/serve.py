@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, finite, setup_logging
+from tools.cli.common import check_store, fail, finite, setup_logging
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
@@ -77,7 +77,9 @@ def _registered(name: str):
 
 
 def _note_missing_store(store: str | None) -> None:
-    """Not an error: a store may be filled later (raw and oracle need none)."""
+    """Not an error: a store may be filled later (raw and oracle need none); a file is one."""
+    if store:
+        check_store(Path(store))
     if store and not Path(store).is_dir():
         typer.echo(f"note: --store {store} is not a folder (yet): only methods that need no calibration are served",
                    err=True)
@@ -86,6 +88,7 @@ def _note_missing_store(store: str | None) -> None:
 def _served_methods(store_dir: Path, name: str) -> list[str]:
     """What a store holds for consumer ``name``: the methods it can serve without more calibration."""
     methods = ["oracle", "raw", "quant"]
+    check_store(store_dir)
     if (store_dir / name / "meta.json").exists():
         methods += ["scd-reuse", "scd"]
     else:
@@ -180,7 +183,7 @@ def serve_producer(
             from tools.assets.registry import default_store
 
             store_dir = default_store(builtin=True)
-        if (store_dir / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
+        if (check_store(store_dir) / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
             consumers[n]["artifacts"] = str(store_dir / n)  # the pair's artifacts and profiles, when calibrated
             offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
                         if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
