@@ -394,12 +394,14 @@ def test_serve_refuses_options_it_would_drop_or_misroute_before_loading(home, ar
     (["serve", "consumer", "--model", "/m"], True),
     (["serve", "producer", "--model", "/m", "--consumer", "x=127.0.0.1:5"], True),
     (["serve", "producer", "--model", "/m", "--consumer", "x=127.0.0.1:5", "--store", "{file}"], False),
+    (["pair", "show", "mine", "--store", "{file}"], False),  # "none in FILE"
 ])
-def test_an_artifact_store_that_is_a_file_is_refused(home, monkeypatch, tmp_path, args, env):
+def test_an_artifact_store_that_is_a_file_is_refused(home, folders, monkeypatch, tmp_path, args, env):
     """SCD_STORE or --store naming a file: the consumer served without SCD ("note: no SCD artifacts ...
     in FILE") and the producer without a word."""
     file = tmp_path / "store.txt"
     file.write_text("not a folder")
+    registry.add("mine", folders["producer"], folders["consumer"])
     if env:
         monkeypatch.setenv("SCD_STORE", str(file))
     res = CliRunner().invoke(app, [a.format(file=file) for a in args])

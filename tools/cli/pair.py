@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, setup_logging
+from tools.cli.common import check_store, fail, setup_logging
 
 pair_app = typer.Typer(no_args_is_help=True, help="Register your own producer/consumer pairs (two folders, or a "
                                                   "folder and a LoRA adapter).")
@@ -77,7 +77,7 @@ def show(name: str = typer.Argument(...),
 
     try:
         e = registry.get(name)
-        have = registry.stored(e, store)
+        have = registry.stored(e, check_store(Path(store) if store else e.store_dir()))
     except SCDError as err:
         fail(str(err))
     body = e.model_dump(exclude={"weights_stat"})
