@@ -395,6 +395,8 @@ def test_serve_refuses_options_it_would_drop_or_misroute_before_loading(home, ar
     (["serve", "producer", "--model", "/m", "--consumer", "x=127.0.0.1:5"], True),
     (["serve", "producer", "--model", "/m", "--consumer", "x=127.0.0.1:5", "--store", "{file}"], False),
     (["pair", "show", "mine", "--store", "{file}"], False),  # "none in FILE"
+    (["pair", "add", "other", "--producer", "{producer}", "--consumer", "{consumer}", "--store", "{file}"], False),
+    (["pair", "add", "other", "--producer", "{producer}", "--consumer", "{consumer}"], True),  # registered it
 ])
 def test_an_artifact_store_that_is_a_file_is_refused(home, folders, monkeypatch, tmp_path, args, env):
     """SCD_STORE or --store naming a file: the consumer served without SCD ("note: no SCD artifacts ...
@@ -404,7 +406,7 @@ def test_an_artifact_store_that_is_a_file_is_refused(home, folders, monkeypatch,
     registry.add("mine", folders["producer"], folders["consumer"])
     if env:
         monkeypatch.setenv("SCD_STORE", str(file))
-    res = CliRunner().invoke(app, [a.format(file=file) for a in args])
+    res = CliRunner().invoke(app, [a.format(file=file, **folders) for a in args])
     assert res.exit_code == 2 and f"the artifact store {file} is a file; it names a folder" in said(res), res.output
 
 

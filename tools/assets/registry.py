@@ -99,10 +99,14 @@ def default_store(builtin: bool = False) -> Path:
 
 def _store_setting(store: str | Path | None, builtin: bool) -> str | None:
     if store:
-        return str(Path(store).expanduser().resolve())
-    if builtin and not os.environ.get("SCD_STORE"):
+        path = Path(store).expanduser().resolve()
+    elif builtin and not os.environ.get("SCD_STORE"):
         return None  # resolved at use: the checkout's committed store
-    return str(default_store(builtin))
+    else:
+        path = default_store(builtin)
+    if path.exists() and not path.is_dir():
+        raise RegistryError(f"the artifact store {path} is a file; it names a folder (--store or SCD_STORE)")
+    return str(path)
 
 
 def load() -> Registry:
