@@ -119,7 +119,7 @@ class ProducerEngine(Engine):
 
     def prepare(self, req: GenerateRequest) -> Prepared:
         s = self.settings
-        self.check_consumers(req.consumer)
+        self.check_consumers(req.consumer, param="model")  # the field's name in an OpenAI body (gRPC: consumer)
         # a method with settings, KIND:KEY=VALUE;KEY=VALUE, as the CLI and the benchmarks write it; the
         # request's method_params win over default_method's settings
         kind, params = resolve_variant(req.method or s.default_method, dict(req.method_params), strict=bool(req.method))

@@ -341,7 +341,6 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                 eng.check_consumers(*names, param="model")
                 return await fan_out(body, names, [encode(eng.prompt_format(n), body, s.max_prompt_chars)
                                                    for n in names], chat, request_id)
-            eng.check_consumers(body.model, param="model")
             ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return exception_response(e)

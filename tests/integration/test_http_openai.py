@@ -212,3 +212,22 @@ def test_an_error_names_the_field_at_fault_as_openai_does(svc, path, body, param
     with pytest.raises(openai.APIStatusError) as ei:
         oc.post(path.removeprefix("/v1"), body=body, cast_to=object)
     assert ei.value.status_code in (400, 404) and ei.value.body["param"] == param, ei.value.body
+
+
+def test_a_request_for_an_unknown_model_is_counted_and_logged(svc, caplog):
+    """A client sending to a consumer the producer does not know shows in the requests metric (and the
+    request log) as not_found, over HTTP as over gRPC."""
+    import logging
+
+    def not_found() -> float:
+        line = 'scd_producer_requests_total{fallback="none",method="raw",outcome="not_found"} '
+        text = httpx.get(http(svc) + "/metrics", headers=H, timeout=10).text
+        return sum(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
+
+    before = not_found()
+    with caplog.at_level(logging.INFO, logger="scd.access"):
+        r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                       json={"model": "nope", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    assert not_found() == before + 1
+    assert "consumer=nope" in caplog.text and "outcome=not_found" in caplog.text, caplog.text
