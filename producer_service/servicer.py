@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from producer_service.engine import ProducerEngine, StreamStats
-from shared.config import BENCH_HOLD_METADATA, GRPC_SCHEMES
+from shared.config import BENCH_HOLD_METADATA
 from shared.domain import GenerateRequest, TokenEvent
 from shared.errors import NotReady, PeerError
 from shared.metrics import Metrics, log_request
@@ -110,7 +110,7 @@ class ProducerServicer(pbg.ProducerServicer):
                 return WRONG_TOKEN
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
                 return NOT_A_CONSUMER
-            if e.code() == grpc.StatusCode.UNAVAILABLE and not address.startswith(GRPC_SCHEMES):
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
                 # not down but misaddressed (its HTTP port) or TLS on one side only: say which
                 problem = await asyncio.to_thread(socket_problem, address, self._peer_ca, "security.peer_ca",
                                                   "consumer")

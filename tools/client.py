@@ -8,10 +8,10 @@ from typing import Iterator
 
 import grpc
 
-from shared.config import BENCH_HOLD_METADATA, GRPC_SCHEMES
+from shared.config import BENCH_HOLD_METADATA
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
-from shared.rpc.diagnose import socket_problem
+from shared.rpc.diagnose import socket_problem, unreached, with_reason
 from shared.rpc.server import OPTIONS
 
 BENCH_HOLD = ((BENCH_HOLD_METADATA, "1"),)  # benchmarks: encode, then reconstruct, every layer at once
@@ -80,11 +80,7 @@ def explain(address: str, err: grpc.RpcError, root_certificates: bytes | None = 
     call never reached an SCD producer (nothing listening, an HTTP port, TLS on one side only, a
     certificate that does not verify, another gRPC service) what answers there instead; the producer's
     own errors (an unknown consumer, one that is down) as they are."""
-    said = f"{err.code().name}: {err.details()}"
-    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
-        return said
-    why = what_answers(address, root_certificates, timeout)
-    return f"{why} ({said})" if why else said
+    return with_reason(what_answers(address, root_certificates, timeout) if unreached(err) else None, err)
 
 
 def what_answers(address: str, root_certificates: bytes | None = None, timeout: float = 2.0) -> str | None:
@@ -106,8 +102,6 @@ def what_answers(address: str, root_certificates: bytes | None = None, timeout: 
         if serves("scd.v1.Consumer") is None:
             return f"{address} is an SCD consumer, not the producer: give the producer's gRPC address"
         return f"{address} is a gRPC server but not an SCD producer: give the producer's gRPC address"
-    if address.startswith(GRPC_SCHEMES):
-        return None
     problem = socket_problem(address, root_certificates, "--tls-ca", "producer", timeout)
     return f"{address} {problem.said}" if problem else None
 

@@ -24,7 +24,6 @@ import grpc
 import torch
 
 from shared.codecs import CODECS, CodecContext, DecodeJob, make_method
-from shared.config import GRPC_SCHEMES
 from shared.domain import HeaderReceived, LayerReceived, SamplingRequest, StreamHeader, TrailerReceived
 from shared.errors import (
     FingerprintMismatch,
@@ -38,7 +37,7 @@ from shared.errors import (
 from shared.handshake import incompatibility, pin_mismatch
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
-from shared.rpc.diagnose import socket_problem
+from shared.rpc.diagnose import socket_problem, unreached, with_reason
 from shared.rpc.errors import status_for
 from shared.rpc.wire import PROTOCOL_VERSION, FrameDecoder, Limits, StreamTotals, header_frame, layer_frames
 
@@ -85,10 +84,8 @@ class AddressDoctor:
         self._seen: dict[str, tuple[float, str]] = {}
 
     def explain(self, address: str, err: grpc.RpcError) -> str:
-        said = f"{err.code().name}: {err.details()}"
-        if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED) or \
-                address.startswith(GRPC_SCHEMES):
-            return said
+        if not unreached(err):
+            return with_reason(None, err)
         now = time.monotonic()
         hit = self._seen.get(address)
         if hit is None or now - hit[0] > self.ttl_s:
@@ -99,7 +96,7 @@ class AddressDoctor:
                 why = (f"{address} is a gRPC server without scd.v1.KVReceiver (an SCD consumer service? the "
                        "connector pushes to a consumer engine's `listen` address)")
             hit = self._seen[address] = (now, why)
-        return f"{hit[1]} ({said})" if hit[1] else said
+        return with_reason(hit[1], err)
 
 
 class TransferFailed(SCDError):

@@ -9,6 +9,10 @@ import socket
 import ssl
 from dataclasses import dataclass
 
+import grpc
+
+from shared.config import GRPC_SCHEMES
+
 HTTP1 = "is an HTTP/1 server"
 
 
@@ -26,7 +30,10 @@ def socket_problem(address: str, ca: bytes | None, ca_setting: str | None, role:
     """Why ``address`` (HOST:PORT) is no gRPC server of ``role`` ("producer", "consumer") reachable
     as configured: TLS verified against ``ca`` (named ``ca_setting`` in the advice; None: a client
     that speaks plaintext only) or plaintext when it is None. None when nothing here is wrong (the
-    server speaks gRPC as expected). ``port_setting``: where the server's gRPC port is set."""
+    server speaks gRPC as expected, or the address is a target with a scheme, ``unix:``..., which
+    is not probed). ``port_setting``: where the server's gRPC port is set."""
+    if address.startswith(GRPC_SCHEMES):
+        return None
     host, _, port_s = address.rpartition(":")
     host, port = host.strip("[]"), int(port_s)
     grpc_port = f"the {role}'s gRPC port ({port_setting})"
@@ -78,3 +85,15 @@ def socket_problem(address: str, ca: bytes | None, ca_setting: str | None, role:
     except (ssl.SSLError, OSError):
         pass
     return None
+
+
+def unreached(err: grpc.RpcError) -> bool:
+    """Whether a call's status may mean it never reached the service it was meant for (nothing, or
+    something else, answers at the address): what the probes above tell apart."""
+    return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
+
+
+def with_reason(why: str | None, err: grpc.RpcError) -> str:
+    """``err`` said as ``CODE: details``, after what answers at the address (``why``) when known."""
+    said = f"{err.code().name}: {err.details()}"
+    return f"{why} ({said})" if why else said

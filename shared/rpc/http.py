@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import clip
 from shared.metrics import CONTENT_TYPE, Metrics
+from shared.rpc.errors import status_for
 from shared.rpc.security import SecuritySettings, token_ok
 from shared.rpc.server import GRACE_MARGIN_S, listen_error
 
@@ -50,8 +51,6 @@ def error_response(code: grpc.StatusCode, message: str, param: str | None = None
 
 def exception_response(exc: BaseException) -> JSONResponse:
     """A domain error as its status's response, naming its ``param`` (``shared.errors.SCDError``)."""
-    from shared.rpc.errors import status_for
-
     return error_response(*status_for(exc), param=getattr(exc, "param", None))
 
 
