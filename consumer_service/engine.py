@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from consumer_service.admission import AdmissionController
 from consumer_service.settings import ConsumerSettings
 from shared.codecs import CODECS, DecodeJob, DecodeSession, make_method
-from shared.config import field_errors
+from shared.config import field_errors, first_field
 from shared.domain import (
     HeaderReceived,
     LayerReceived,
@@ -128,17 +128,20 @@ class ConsumerEngine(Engine):
         n_prompt = len(h.prompt_ids)
         limit, why = self.prompt_limit()
         if not 2 <= n_prompt <= limit:
-            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {limit} ({why})")
+            raise InvalidRequest(f"prompt has {n_prompt} tokens; this consumer takes 2 to {limit} ({why})",
+                                 param="prompt")
         vocab = self.adapter.config.vocab_size
         if max(h.prompt_ids) >= vocab:
-            raise InvalidRequest(f"prompt token id {max(h.prompt_ids)} is outside the vocabulary (size {vocab})")
+            raise InvalidRequest(f"prompt token id {max(h.prompt_ids)} is outside the vocabulary (size {vocab})",
+                                 param="prompt")
         if h.n_tokens != n_prompt - 1:
             raise InvalidPayload(f"header n_tokens={h.n_tokens}; expected prompt length - 1 = {n_prompt - 1}")
         sampling = self.sampling(h.sampling)
         if self.context and n_prompt + sampling.max_new_tokens > self.context:
             raise InvalidRequest(f"the prompt's {n_prompt} tokens and max_new_tokens={sampling.max_new_tokens} pass "
                                  f"the model's context of {self.context} tokens; ask for at most "
-                                 f"{max(self.context - n_prompt, 0)} new tokens or shorten the prompt")
+                                 f"{max(self.context - n_prompt, 0)} new tokens or shorten the prompt",
+                                 param="prompt")  # as OpenAI names it (context_length_exceeded)
         if bad is not None:  # fallback: prefill the prompt with our own model, ignore the frames
             return self._fallback(h, sampling, *bad)
         start = 0
@@ -146,7 +149,7 @@ class ConsumerEngine(Engine):
             p = h.prefix_len
             if p > len(self.prefix_ids) or list(h.prompt_ids[:p]) != self.prefix_ids[:p] or p >= n_prompt:
                 raise InvalidRequest("native_prefix is set but the prompt does not start with this consumer's "
-                                     "chat-template prefix; send native_prefix=false")
+                                     "chat-template prefix; send native_prefix=false", param="native_prefix")
             start = p
         method = make_method(h.method, self.ctx, dict(h.params))
         msg = pin_mismatch(h, method.pin(), f"consumer {s.name!r}")
@@ -181,12 +184,14 @@ class ConsumerEngine(Engine):
         s = self.settings
         n = sp.max_new_tokens or s.default_max_new_tokens
         if n > s.max_new_tokens:
-            raise InvalidRequest(f"max_new_tokens={n}; this consumer allows at most {s.max_new_tokens}")
+            raise InvalidRequest(f"max_new_tokens={n}; this consumer allows at most {s.max_new_tokens}",
+                                 param="max_new_tokens")
         try:
             return Sampling(max_new_tokens=n, temperature=sp.temperature, top_p=sp.top_p or 1.0,
                             stop=tuple(sp.stop), seed=fresh_seed() if sp.seed is None else sp.seed)
         except ValidationError as e:
-            raise InvalidRequest(f"invalid sampling settings: {'; '.join(field_errors(e))}") from None
+            raise InvalidRequest(f"invalid sampling settings: {'; '.join(field_errors(e))}",
+                                 param=first_field(e)) from None
 
     # ------------------------------------------------------------------ torch work (worker thread)
     def add_layer(self, req: Request, layer: int, tensors) -> None:

@@ -97,7 +97,8 @@ class ConsumerServicer(pbg.ConsumerServicer):
             code, message = status_for(e)
             outcome = code.name.lower()
             if code != grpc.StatusCode.INTERNAL:  # in band first: a sender still writing may see only a transport error
-                yield pb.TokenEvent(error=pb.ErrorStatus(code=code.name, message=message))
+                yield pb.TokenEvent(error=pb.ErrorStatus(code=code.name, message=message,
+                                                         param=getattr(e, "param", None) or ""))
             raise
         finally:
             self._active.discard(task)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ base model and encodes each layer for the wire. Domain types in and out; no prot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -30,13 +31,28 @@ def check_sampling(sp) -> None:
     import math
 
     if not 0 <= sp.max_new_tokens < 2**32:
-        raise InvalidRequest(f"max_new_tokens={sp.max_new_tokens}; send 1 to the consumer's limit (0: its default)")
+        raise InvalidRequest(f"max_new_tokens={sp.max_new_tokens}; send 1 to the consumer's limit (0: its default)",
+                             param="max_new_tokens")
     if sp.seed is not None and not 0 <= sp.seed < 2**64:
-        raise InvalidRequest(f"seed={sp.seed}; send 0 to 2^64 - 1")
-    if not (math.isfinite(sp.temperature) and math.isfinite(sp.top_p)):
-        raise InvalidRequest("temperature and top_p must be finite numbers")
+        raise InvalidRequest(f"seed={sp.seed}; send 0 to 2^64 - 1", param="seed")
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(sp, name)):
+            raise InvalidRequest(f"{name} must be a finite number", param=name)
     if len(sp.stop) > 16 or any(len(x) > 256 for x in sp.stop):
-        raise InvalidRequest("send at most 16 stop strings of at most 256 characters")
+        raise InvalidRequest("send at most 16 stop strings of at most 256 characters", param="stop")
+
+
+@contextlib.contextmanager
+def _settings_param(req: GenerateRequest):
+    """A method setting's error names where the request gave it: ``method_params.KEY``, else the
+    ``method`` label that carries it (``scd:KEY=VALUE``)."""
+    try:
+        yield
+    except InvalidRequest as e:
+        if e.param is not None:
+            key = e.param.split(".")[0]
+            e.param = f"method_params.{key}" if key in req.method_params else "method"
+        raise
 
 
 def _covers(state: PrefillState, hidden: set[int], residual: set[int]) -> bool:
@@ -133,7 +149,8 @@ class ProducerEngine(Engine):
         check_ids(req.request_id)
         check_sampling(req.sampling)
         ctx = self.ctxs[req.consumer]
-        auto = AutoSettings.parse(params) if kind == "auto" else None
+        with _settings_param(req):
+            auto = AutoSettings.parse(params) if kind == "auto" else None
         if auto is not None and "auto" not in ctx.profiles:
             raise PreconditionFailed(f"method 'auto' needs the operating table of consumer {req.consumer!r}: run "
                                      f"`scd calibrate --pair {req.consumer} --method auto` and set "
@@ -143,28 +160,29 @@ class ProducerEngine(Engine):
         fmt = self.prompt_format(req.consumer)
         if isinstance(req.prompt, str):
             if not req.prompt.strip():
-                raise InvalidRequest("prompt text is empty; send a non-empty prompt")
+                raise InvalidRequest("prompt text is empty; send a non-empty prompt", param="prompt")
             if len(req.prompt) > s.max_prompt_chars:
-                raise InvalidRequest(f"prompt has {len(req.prompt)} characters; the limit is {s.max_prompt_chars}")
+                raise InvalidRequest(f"prompt has {len(req.prompt)} characters; the limit is {s.max_prompt_chars}",
+                                     param="prompt")
             if fmt is None:
-                raise InvalidRequest("this producer has no tokenizer; send token_ids")
+                raise InvalidRequest("this producer has no tokenizer; send token_ids", param="prompt")
             ids, _ = fmt.encode(req.prompt)
         else:
             ids = list(req.prompt)
         if len(ids) == 1 and fmt is not None and fmt.doc_start_id is not None:
             ids = [fmt.doc_start_id, *ids]  # one token: it starts a document (the cache must hold one position)
         if not ids:
-            raise InvalidRequest("prompt has no tokens; send text or at least one token id")
+            raise InvalidRequest("prompt has no tokens; send text or at least one token id", param="prompt")
         if len(ids) < 2:
             raise InvalidRequest("prompt has 1 token and this producer's tokenizer has no document-start token to "
-                                 "put before it; send at least 2 token ids")
+                                 "put before it; send at least 2 token ids", param="prompt")
         limit, why = self.prompt_limit()
         if len(ids) > limit:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {limit} ({why})")
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {limit} ({why})", param="prompt")
         vocab = self.adapter.config.vocab_size
         if max(ids) >= vocab or min(ids) < 0:
             bad = max(ids) if max(ids) >= vocab else min(ids)
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})", param="prompt")
         pre = fmt.prefix_ids if fmt else []
         prefix = len(pre) if req.native_prefix and pre and ids[: len(pre)] == pre else 0
         choice = None
@@ -173,7 +191,8 @@ class ProducerEngine(Engine):
             choice = choose(ctx.profiles["auto"], len(ids) - 1 - prefix, rate, source, auto,
                             usable=lambda p: self._usable(req.consumer, p), offered=s.methods)
             kind, params = choice.method, choice.params
-        method = make_method(kind, ctx, params)
+        with _settings_param(req):
+            method = make_method(kind, ctx, params)
         return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address, choice)
 
     @staticmethod

@@ -25,6 +25,7 @@ from producer_service.openai_api import (
     CompletionBody,
     chat_ids,
     client_request_id,
+    openai_param,
     prompt_ids,
     to_request,
     validation_message,
@@ -41,7 +42,6 @@ from shared.rpc.http import (
     add_route_errors,
     error_body,
     error_response,
-    exception_response,
 )
 
 
@@ -156,6 +156,10 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                                   f"unknown model {clip(name)}; this producer serves {sorted(s.consumers)}")
         return _model(name)
 
+    def status(e: BaseException, body: Body, chat: bool) -> tuple:
+        """(code, message, param) of an error, its param named as the body calls it."""
+        return (*status_for(e), openai_param(getattr(e, "param", None), body, chat))
+
     async def run(body: Body, ids: list[int], chat: bool, request_id: str):
         req = to_request(body, ids, request_id)
         rid = ("chatcmpl-" if chat else "cmpl-") + req.request_id
@@ -168,7 +172,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             first = None
         except Exception as e:  # noqa: BLE001 - mapped like the gRPC side
             await events.aclose()
-            return exception_response(e)
+            return error_response(*status(e, body, chat))
 
         def usage(ev: TokenEvent | None) -> dict | None:
             if ev is None or ev.timings is None:
@@ -193,7 +197,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                             text += ev.text
                             last = ev
                     except Exception as e:  # noqa: BLE001
-                        return exception_response(e)
+                        return error_response(*status(e, body, chat))
             finish = last.finish_reason if last is not None else "stop"
             c = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                   "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
@@ -223,10 +227,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                             data["usage"], data["scd_timings"] = usage(ev), timings(ev)
                         yield sse(data)
                         ev = await anext(events, None)
-                except SCDError as e:  # after the first event only a final error event can say it
-                    yield sse(error_body(*status_for(e)))
-                except Exception as e:  # noqa: BLE001
-                    yield sse(error_body(*status_for(e)))
+                except Exception as e:  # noqa: BLE001 - after the first event only a final error event can say it
+                    yield sse(error_body(*status(e, body, chat)))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream",
@@ -248,7 +250,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                     async for ev in events:
                         await queue.put((i, ev, None))
             except Exception as e:  # noqa: BLE001 - mapped like the gRPC side, per consumer
-                await queue.put((i, None, status_for(e)))
+                await queue.put((i, None, status(e, body, chat)))
             await queue.put((i, None, "done"))
 
         def piece(i: int, text: str, finish: str | None, err: tuple | None = None) -> dict:
@@ -343,7 +345,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                                                    for n in names], chat, request_id)
             ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
-            return exception_response(e)
+            return error_response(*status(e, body, chat))
         return await run(body, ids, chat, request_id)
 
     async def answer(request: Request, body, encode, chat: bool) -> Response:

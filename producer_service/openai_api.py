@@ -210,6 +210,16 @@ def chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
     return fmt.encode(msgs)[0]  # the consumer's chat template; its fixed prefix tokenized on its own
 
 
+def openai_param(param: str | None, body: Body, chat: bool) -> str | None:
+    """The body field an engine error names (``param``, in the wire's words: ``prompt``,
+    ``max_new_tokens``, ``consumer``) as this body calls it."""
+    if param == "prompt" and chat:
+        return "messages"
+    if param == "max_new_tokens":
+        return "max_completion_tokens" if body.max_tokens is None and body.max_completion_tokens else "max_tokens"
+    return "model" if param == "consumer" else param
+
+
 def client_request_id(header: str | None) -> str:
     """The request's id: the client's ``X-Request-Id`` (1-128 printable ASCII characters: it is sent
     back, shown in both services' request logs and in the response's ``id``), else a new one."""

@@ -245,7 +245,8 @@ class ProducerServicer(pbg.ProducerServicer):
         try:
             async for pev in call:
                 if pev.HasField("error"):  # the consumer failed the request: its status, whatever the transport says
-                    raise PeerError(pev.error.code, f"consumer {request.consumer!r}: {pev.error.message}")
+                    raise PeerError(pev.error.code, f"consumer {request.consumer!r}: {pev.error.message}",
+                                    param=pev.error.param or None)
                 ev = convert.event_from_pb(pev)
                 if ttft is None:
                     ttft = (time.perf_counter() - t0) * 1e3

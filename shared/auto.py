@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from pydantic import Field, ValidationError
 
-from shared.config import Checked, field_errors
+from shared.config import Checked, field_errors, first_field
 from shared.errors import InvalidRequest, PreconditionFailed
 
 DEFAULT_LINK_MBPS = 1000.0
@@ -62,7 +62,7 @@ class AutoSettings(Checked):
             return cls.model_validate(params or {})
         except ValidationError as e:
             raise InvalidRequest(f"invalid settings for method 'auto': {'; '.join(field_errors(e))} (its settings: "
-                                 f"{', '.join(cls.model_fields)})") from None
+                                 f"{', '.join(cls.model_fields)})", param=first_field(e)) from None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,13 @@ def field_errors(e: ValidationError | list, skip: int = 0) -> list[str]:
     return out
 
 
+def first_field(e: ValidationError) -> str | None:
+    """The field the first complaint is about (``block_tokens``), for an error's ``param``; None
+    for a complaint about the whole value."""
+    errors = e.errors()
+    return ".".join(str(p) for p in errors[0]["loc"]) or None if errors else None
+
+
 def _plain_message(msg: str) -> str:
     """A pydantic error message without the prefix it puts before a validator's own words."""
     for prefix in ("Value error, ", "Assertion failed, "):

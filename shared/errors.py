@@ -64,6 +64,6 @@ class ConfigError(SCDError, ValueError):
 class PeerError(SCDError):
     """The other service answered with an error status; relayed with its code and message."""
 
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message, param=param)
         self.code = code

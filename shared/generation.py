@@ -4,13 +4,12 @@ Runs one step per call so that a service can interleave requests and stream each
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.model.hf_adapter import ModelAdapter
 
@@ -25,19 +24,18 @@ class Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False)
     """0 is greedy."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: tuple[str, ...] = ()
     seed: int = Field(0, ge=0)
 
-    @model_validator(mode="after")
-    def _finite(self):
-        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
-            raise ValueError("temperature and top_p must be finite numbers")
-        if any(not s for s in self.stop) or len(self.stop) > 16:
-            raise ValueError("stop strings must be non-empty, at most 16 of them")
-        return self
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in stop) or len(stop) > 16:
+            raise ValueError("send at most 16 stop strings, none of them empty")
+        return stop
 
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:

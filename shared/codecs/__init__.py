@@ -14,7 +14,7 @@ from shared.codecs.ridge import RidgeMap
 from shared.codecs.scd import SCD, SCDReuse
 from shared.codecs.selective_recompute import DroidSpeak
 from shared.codecs.spectrum import SpectrumKV
-from shared.config import field_errors
+from shared.config import field_errors, first_field
 from shared.errors import InvalidRequest, UnknownMethod, clip
 
 
@@ -51,7 +51,7 @@ def method_config(kind: str, params: dict[str, str] | None = None) -> MethodConf
         except ValidationError as e:
             settings = sorted(f for f in cls.model_fields if f != "kind")
             raise InvalidRequest(f"invalid settings for method {kind!r}: {'; '.join(field_errors(e))} (its settings: "
-                                 f"{', '.join(settings) or 'none'})") from None
+                                 f"{', '.join(settings) or 'none'})", param=first_field(e)) from None
 
 
 def check_enabled(methods, allow=()) -> None:
@@ -84,6 +84,8 @@ def parse_variant(label: str) -> tuple[str, dict[str, str]]:
         key, eq, value = part.partition("=")
         if not eq or not key:
             raise ValueError(f"method variant {label!r}: settings are KEY=VALUE, e.g. scd:block_tokens=0.5")
+        if key in params:
+            raise ValueError(f"method variant {label!r} sets {key} twice; give each setting once")
         params[key] = value
     return kind, params
 

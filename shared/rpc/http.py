@@ -17,7 +17,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import clip
 from shared.metrics import CONTENT_TYPE, Metrics
-from shared.rpc.errors import status_for
 from shared.rpc.security import SecuritySettings, token_ok
 from shared.rpc.server import GRACE_MARGIN_S, listen_error
 
@@ -47,11 +46,6 @@ def error_response(code: grpc.StatusCode, message: str, param: str | None = None
     elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(error_body(code, message, param), status_code=HTTP_STATUS.get(code, 500), headers=headers)
-
-
-def exception_response(exc: BaseException) -> JSONResponse:
-    """A domain error as its status's response, naming its ``param`` (``shared.errors.SCDError``)."""
-    return error_response(*status_for(exc), param=getattr(exc, "param", None))
 
 
 def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) -> None:

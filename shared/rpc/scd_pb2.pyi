@@ -114,12 +114,14 @@ class TokenEvent(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., error: _Optional[_Union[ErrorStatus, _Mapping]] = ...) -> None: ...
 
 class ErrorStatus(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "param")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
     code: str
     message: str
-    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    param: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("request_id", "method", "method_version", "protocol_version", "pair_fingerprint", "n_layers", "n_tokens", "prompt_ids", "params", "sampling", "native_prefix", "prefix_len", "consumer", "deadline_unix")

@@ -48,7 +48,8 @@ def test_neutral_values_of_unsupported_features_are_served(svc, neutral):
     ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",
                               "max_tokens": 2, "max_completion_tokens": 2}, None),
     ("/v1/completions", {"temperature": 11}, "invalid sampling settings: temperature: Input should be less than"),
-    ("/v1/completions", {"stop": [""]}, "invalid sampling settings: stop strings must be non-empty"),
+    ("/v1/completions", {"stop": [""]},
+     "invalid sampling settings: stop: send at most 16 stop strings, none of them empty"),
     ("/v1/completions", {"top_p": 0, "temperature": 1.0}, "top_p: Input should be greater than 0"),
     ("/v1/completions", {"method": "raw", "method_params": {"bogus": "1"}},
      "invalid settings for method 'raw': bogus: not a known setting (its settings: dtype"),
@@ -202,9 +203,27 @@ def test_a_method_with_settings_is_taken_as_the_cli_writes_it(svc, base, tok):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content.0"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, "tools"),
+    # found by the engines (the producer's, or the consumer's, relayed): named in the body's words
+    ("/v1/completions", {"prompt": "hi", "temperature": 11}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
+    ("/v1/completions", {"model": "short", "prompt": list(range(3, 40))}, "prompt"),
+    ("/v1/chat/completions", {"model": "short", "messages": [{"role": "user", "content": "hi " * 20}]}, "messages"),
+    ("/v1/completions", {"prompt": "hi", "method": "raw:dtype=float8"}, "method"),
+    ("/v1/completions", {"prompt": "hi", "method": "raw:dtype=float32;dtype=float16"}, "method"),
+    ("/v1/completions", {"prompt": "hi", "method": "raw", "method_params": {"dtype": "float8"}},
+     "method_params.dtype"),
+    ("/v1/completions", {"prompt": "hi", "method_params": {"bogus": "1"}}, "method_params.bogus"),
 ])
 def test_an_error_names_the_field_at_fault_as_openai_does(svc, path, body, param):
-    """OpenAI's error object has ``param`` (the openai client's ``e.param``); it was always null."""
+    """OpenAI's error object has ``param`` (the openai client's ``e.param``); it was null for what the
+    producer's or the consumer's engine found wrong (a sampling value, a prompt over a limit, a
+    method's setting)."""
     import openai
 
     oc = openai.OpenAI(base_url=http(svc) + "/v1", api_key=TOKEN, max_retries=0, timeout=60)

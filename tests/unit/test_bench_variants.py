@@ -18,6 +18,12 @@ def test_a_setting_without_key_or_value_is_refused_with_an_example(bad):
         variant(bad)
 
 
+def test_a_setting_given_twice_in_one_label_is_refused():
+    """``scd:block_tokens=0.35;block_tokens=0.2`` ran the second value without a word."""
+    with pytest.raises(BenchError, match="sets block_tokens twice; give each setting once"):
+        variant("scd:block_tokens=0.35;block_tokens=0.2")
+
+
 @pytest.mark.parametrize("args, match", [
     (["--tokens", "1.5"], "--tokens takes comma-separated positive whole numbers"),
     (["--tokens", "500,x"], "--tokens takes comma-separated positive whole numbers"),
