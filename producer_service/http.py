@@ -217,16 +217,24 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                 if chat:
                     yield sse({"id": rid, "object": chunk_obj, "created": created, "model": body.model,
                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None}]})
-                ev = first
+                                            "finish_reason": None}], **({"usage": None} if body.include_usage else {})})
+                ev, used = first, None
                 try:
                     while ev is not None:
                         data = {"id": rid, "object": chunk_obj, "created": created, "model": body.model,
                                 "choices": [choice(ev.text, ev.finish_reason)]}
                         if ev.timings is not None:
-                            data["usage"], data["scd_timings"] = usage(ev), timings(ev)
+                            used = usage(ev)
+                            data["scd_timings"] = timings(ev)
+                        # the usage: on the last chunk, or (stream_options.include_usage, as OpenAI's) null
+                        # there and on a chunk of its own with no choices
+                        if body.include_usage or used is not None:
+                            data["usage"] = None if body.include_usage else used
                         yield sse(data)
                         ev = await anext(events, None)
+                    if body.include_usage:
+                        yield sse({"id": rid, "object": chunk_obj, "created": created, "model": body.model,
+                                   "choices": [], "usage": used})
                 except Exception as e:  # noqa: BLE001 - after the first event only a final error event can say it
                     yield sse(error_body(*status(e, body, chat)))
             yield "data: [DONE]\n\n"
@@ -280,6 +288,11 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             return {**_scd_timings(ev), "prefill_ms": t.prefill_ms, "prompt_tokens": t.prompt_tokens,
                     "completion_tokens": t.completion_tokens}
 
+        def summed(tims: list[dict | None]) -> dict:  # usage: summed over the consumers that answered
+            done = [t for t in tims if t is not None]
+            prompt, completion = sum(t["prompt_tokens"] for t in done), sum(t["completion_tokens"] for t in done)
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
         obj = "chat.completion" if chat else "text_completion"
         if not body.stream:
             texts, finish = [""] * len(names), ["stop"] * len(names)
@@ -305,27 +318,28 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                     c["message"] = {"role": "assistant", "content": c.pop("delta")["content"]}
                 c["scd_timings"] = tims[i]
                 choices.append(c)
-            done = [t for t in tims if t is not None]  # usage: summed over the consumers that answered
-            prompt, completion = sum(t["prompt_tokens"] for t in done), sum(t["completion_tokens"] for t in done)
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": body.model,
-                                 "choices": choices, "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                                               "total_tokens": prompt + completion}})
+                                 "choices": choices, "usage": summed(tims)})
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def stream():
             head = {"id": rid, "object": chunk_obj, "created": created, "model": body.model}
+            usage_null = {"usage": None} if body.include_usage else {}  # as OpenAI's: the usage on a chunk of its own
             async with contextlib.aclosing(events()) as evs:
                 if chat:
                     for i in range(len(names)):
                         c = piece(i, "", None)
                         c["delta"]["role"] = "assistant"
-                        yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+                        yield f"data: {json.dumps({**head, 'choices': [c], **usage_null})}\n\n"
+                tims: list[dict | None] = [None] * len(names)
                 async for i, ev, err in evs:
                     c = piece(i, "", "error", err) if err is not None else piece(i, ev.text, ev.finish_reason)
                     if ev is not None and ev.timings is not None:
-                        c["scd_timings"] = timings(ev)
-                    yield f"data: {json.dumps({**head, 'choices': [c]})}\n\n"
+                        c["scd_timings"] = tims[i] = timings(ev)
+                    yield f"data: {json.dumps({**head, 'choices': [c], **usage_null})}\n\n"
+                if body.include_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': summed(tims)})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream",

@@ -58,8 +58,14 @@ UNSUPPORTED_WHY = {
 }
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+    """A last chunk with no choices and the request's ``usage`` (the other chunks' ``usage`` is null)."""
+
+
 class Body(BaseModel):
-    # Fields that do not change the answer (user, metadata, stream_options, ...) are ignored; the ones
+    # Fields that do not change the answer (user, metadata, ...) are ignored; the ones
     # the server uses take their JSON type only (strict: true is not a max_tokens of 1, nor "yes" a
     # stream flag, as the OpenAI API refuses them); UNSUPPORTED features are refused when asked for
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -74,6 +80,7 @@ class Body(BaseModel):
     stop: Annotated[str | list[str], one_of("a string or a list of strings")] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     # OpenAI features this server does not implement: refused when asked for (a 400 naming the field),
     # never silently answered without them; their neutral values (null, false, 0, 1, "", [], {}) pass
@@ -109,6 +116,17 @@ class Body(BaseModel):
         if value is not None and other is not None and other != value:
             raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({value}) disagree; send one of them")
         return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     @field_validator(*UNSUPPORTED)
     @classmethod

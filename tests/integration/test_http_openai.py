@@ -250,3 +250,49 @@ def test_a_request_for_an_unknown_model_is_counted_and_logged(svc, caplog):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
     assert not_found() == before + 1
     assert "consumer=nope" in caplog.text and "outcome=not_found" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_include_usage_ends_the_stream_with_a_usage_chunk(svc, path):
+    """OpenAI's ``stream_options.include_usage``: the other chunks' ``usage`` is null, and a last chunk
+    with no choices carries it (clients read the usage there: it was on the last token's chunk, and
+    the option was ignored)."""
+    import openai
+
+    oc = openai.OpenAI(base_url=http(svc) + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    kw = dict(model="chat", max_tokens=3, stream=True, stream_options={"include_usage": True})
+    if "chat" in path:
+        chunks = list(oc.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        chunks = list(oc.completions.create(prompt="hi there", **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    *rest, last = chunks
+    assert last.choices == [] and last.usage is not None and all(c.usage is None for c in rest), chunks
+    assert last.usage.completion_tokens == 3 and last.usage.total_tokens == last.usage.prompt_tokens + 3
+    assert text and rest[-1].choices[0].finish_reason == "length"
+    plain = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,  # without it: as before
+                       json={"model": "chat", "prompt": "hi there", "max_tokens": 3, "stream": True}).text
+    assert '"choices": []' not in plain and '"completion_tokens": 3' in plain, plain[-600:]
+
+
+def test_stream_options_include_usage_sums_a_fan_out(svc):
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60, json={
+        "model": "chat,same", "prompt": PROMPT, "max_tokens": 2, "stream": True, "native_prefix": False,
+        "stream_options": {"include_usage": True}})
+    import json
+
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    *rest, last = chunks
+    assert last["choices"] == [] and all(c["usage"] is None for c in rest), chunks
+    done = [c["choices"][0]["scd_timings"] for c in rest if c["choices"][0].get("scd_timings")]
+    assert len(done) == 2 and last["usage"]["completion_tokens"] == 4
+    assert last["usage"]["prompt_tokens"] == sum(t["prompt_tokens"] for t in done)
+
+
+def test_stream_options_without_stream_is_refused(svc):
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60, json={
+        "model": "chat", "prompt": "hi there", "max_tokens": 2, "stream_options": {"include_usage": True}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "stream_options", err
+    assert "stream_options is only allowed with stream: true" in err["message"], err
