@@ -37,6 +37,7 @@ from shared.domain import TokenEvent
 from shared.errors import InvalidRequest, SCDError, clip
 from shared.rpc.errors import status_for
 from shared.rpc.http import (
+    HTTPAccounting,
     add_auth,
     add_metrics_routes,
     add_route_errors,
@@ -117,6 +118,9 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+"""The paths ``http_responses`` names (any other, /v1/models/NAME included, is "other")."""
+
 CLIENT_CLOSED = 499  # nginx's "client closed request": what the access log shows for an answer nobody read
 
 
@@ -132,7 +136,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
     add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": dict(servicer.consumer_status)})
     add_auth(app, token, servicer.metrics)
-    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes)  # added last: runs first, before the token check
+    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes)  # runs before the token check
+    app.add_middleware(HTTPAccounting, metrics=servicer.metrics, paths=PATHS, access_log=s.access_log)  # outermost
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -345,9 +350,10 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def handle(body, encode, chat: bool, request_id: str):
+    async def handle(body, encode, chat: bool, request_id: str, state):
         """The prompt encoded with the consumer's format (errors as OpenAI-style 4xx), then the run;
-        ``model: "a,b"`` fans it out to several consumers."""
+        ``model: "a,b"`` fans it out to several consumers. ``state.engine``: the request reached the
+        engine, whose request log has it (``HTTPAccounting`` logs the others)."""
         try:
             if "," in body.model:
                 try:
@@ -355,11 +361,13 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                 except ValueError as e:
                     raise InvalidRequest(f"model {body.model!r}: {e}", param="model") from None
                 eng.check_consumers(*names, param="model")
-                return await fan_out(body, names, [encode(eng.prompt_format(n), body, s.max_prompt_chars)
-                                                   for n in names], chat, request_id)
+                each = [encode(eng.prompt_format(n), body, s.max_prompt_chars) for n in names]
+                state.engine = True
+                return await fan_out(body, names, each, chat, request_id)
             ids = encode(eng.prompt_format(body.model), body, s.max_prompt_chars)
         except SCDError as e:
             return error_response(*status(e, body, chat))
+        state.engine = True
         return await run(body, ids, chat, request_id)
 
     async def answer(request: Request, body, encode, chat: bool) -> Response:
@@ -372,7 +380,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
             rid = client_request_id(request.headers.get("x-request-id"))
         except InvalidRequest as e:
             return error_response(*status_for(e))
-        work = asyncio.ensure_future(handle(body, encode, chat, rid))
+        work = asyncio.ensure_future(handle(body, encode, chat, rid, request.state))
         gone = asyncio.ensure_future(_hung_up(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -45,6 +45,9 @@ class Metrics:
                                  "stream did not match what it loaded", ["reason"], registry=r)
         self.auth_failures = Counter(p + "auth_failures", "Requests refused for a missing or wrong bearer token",
                                      ["transport"], registry=r)
+        self.http_responses = Counter(p + "http_responses", "HTTP answers by path (a served one, else 'other') "
+                                      "and status code, refusals before a request reaches the engine included "
+                                      "(producer)", ["path", "status"], registry=r)
 
         self.prefill_cache_bytes = Gauge(p + "prefill_cache_bytes", "Memory held by the kept prefill states "
                                          "(producer; prefill_cache_entries, prefill_cache_bytes)", registry=r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import socket
 from typing import Any
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import clip
-from shared.metrics import CONTENT_TYPE, Metrics
+from shared.metrics import CONTENT_TYPE, Metrics, log_request
 from shared.rpc.security import SecuritySettings, token_ok
 from shared.rpc.server import GRACE_MARGIN_S, listen_error
 
@@ -63,6 +64,61 @@ def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) ->
         msg = ("missing bearer token: send 'Authorization: Bearer <token>'" if got is None else
                "wrong bearer token: send the token this service was configured with")
         return error_response(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+
+class HTTPAccounting:
+    """ASGI middleware, outermost: counts every answer in ``http_responses`` (path, status), and logs
+    a request line for an error answer the engine has not logged (``scope["state"]["engine"]`` unset:
+    a body that does not validate, a refused token, size or encoding, an unknown path), with its
+    error message. A 499 (the client left) is counted, not logged twice."""
+
+    def __init__(self, app, metrics: Metrics, paths: tuple[str, ...], access_log: bool = True):
+        self.app, self.metrics, self.paths, self.access_log = app, metrics, paths, access_log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        seen: dict[str, Any] = {"status": 500, "body": b"", "done": False}
+
+        def account() -> None:
+            if seen["done"]:
+                return
+            seen["done"] = True
+            path, status = scope.get("path", ""), seen["status"]
+            self.metrics.http_responses.labels(path if path in self.paths else "other", str(status)).inc()
+            if status >= 400 and status != 499 and self.access_log and not scope.get("state", {}).get("engine"):
+                rid = dict(scope.get("headers") or ()).get(b"x-request-id", b"-").decode("latin-1")
+                log_request(rid, http=f"{scope.get('method', '')} {path}", status=status, error=_message(seen["body"]))
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                length = dict(message.get("headers") or ()).get(b"content-length", b"")
+                seen["length"] = int(length) if length.isdigit() else None
+                seen["sent"] = 0
+            elif message["type"] == "http.response.body":
+                piece = message.get("body", b"")
+                seen["sent"] += len(piece)
+                if seen["status"] >= 400 and len(seen["body"]) < 4096:
+                    seen["body"] += piece[:4096]
+                # before the answer's last byte goes out (a client stops reading at its Content-Length, which
+                # may come before the last, empty, message): a client that has the answer sees it counted
+                if not message.get("more_body") or seen["length"] is not None and seen["sent"] >= seen["length"]:
+                    account()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            account()  # an answer that never finished (the client left, the app failed)
+
+
+def _message(body: bytes) -> str:
+    """An error body's message (OpenAI-style JSON), else its text."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace").strip()
 
 
 def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True, detail=lambda: None) -> None:

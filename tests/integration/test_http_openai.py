@@ -296,3 +296,49 @@ def test_stream_options_without_stream_is_refused(svc):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "stream_options", err
     assert "stream_options is only allowed with stream: true" in err["message"], err
+
+
+@pytest.mark.parametrize("send, status, said", [
+    (dict(json={"model": "chat", "prompt": "hi", "max_tokens": "2"}), 400, "max_tokens: Input should be"),
+    (dict(json={"model": "chat", "prompt": "   "}), 400, "prompt is empty"),
+    (dict(json={"model": "chat,nope", "prompt": "hi"}), 404, "unknown consumer 'nope'"),
+    (dict(content=b"x" * (2 << 20)), 413, "max_http_body_bytes"),
+    (dict(json={"model": "chat", "prompt": "hi"}, headers={"Authorization": "Bearer wrong"}), 401, "wrong bearer"),
+])
+def test_a_request_refused_before_the_engine_is_counted_and_logged(svc, caplog, send, status, said):
+    """Refusals of the HTTP front itself (a body that does not validate, an empty prompt, a fan-out to
+    an unknown consumer, a body too large, a wrong token) were in no metric and no request log line:
+    an operator saw nothing of a client sending them."""
+    import logging
+
+    def answered(code: int) -> float:
+        line = f'scd_producer_http_responses_total{{path="/v1/completions",status="{code}"}} '
+        text = httpx.get(http(svc) + "/metrics", headers=H, timeout=10).text
+        return sum(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
+
+    before = answered(status)
+    with caplog.at_level(logging.INFO, logger="scd.access"):
+        headers = {**H, "X-Request-Id": "front-1", **send.get("headers", {})}
+        r = httpx.post(http(svc) + "/v1/completions", timeout=60, headers=headers,
+                       **{k: v for k, v in send.items() if k != "headers"})
+    assert r.status_code == status and said in r.json()["error"]["message"], r.text[:300]
+    assert answered(status) == before + 1
+    lines = [x for x in _access(caplog) if x.startswith("request=front-1 ")]
+    assert len(lines) == 1 and 'http="POST /v1/completions"' in lines[0] and f"status={status}" in lines[0], \
+        (lines, caplog.text)  # logged before the client had its answer
+    assert said.split("'")[0] in lines[0], lines
+
+
+def test_a_request_the_engine_refused_is_logged_once_and_other_paths_are_counted_as_other(svc, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="scd.access"):
+        r = httpx.post(http(svc) + "/v1/completions", headers={**H, "X-Request-Id": "engine-1"}, timeout=60,
+                       json={"model": "chat", "prompt": "hi", "method": "droidspeek"})
+    assert r.status_code == 404
+    lines = [x for x in _access(caplog) if x.startswith("request=engine-1 ")]
+    assert len(lines) == 1 and "outcome=not_found" in lines[0], lines  # the engine's line, not a second one
+    httpx.get(http(svc) + "/v1/nothing-here", headers=H, timeout=10)
+    text = httpx.get(http(svc) + "/metrics", headers=H, timeout=10).text
+    assert 'scd_producer_http_responses_total{path="other",status="404"}' in text
+    assert "nothing-here" not in text  # the path label stays a bounded set
