@@ -66,10 +66,11 @@ def _choice(index: int, text: str, finish: str | None, chat: bool) -> dict:
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is refused with 413, by its
     Content-Length before it is read, or as it arrives when it is chunked (never read whole); a
-    compressed one (Content-Encoding) with 415."""
+    compressed one (Content-Encoding) with 415; one that has not all arrived ``timeout`` seconds
+    after the headers with 408 (a client that stops sending mid-body held its connection for ever)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout: float = 30.0):
+        self.app, self.limit, self.timeout = app, limit, timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -83,21 +84,31 @@ class BodyLimit:
         n = headers.get(b"content-length")
         if n is not None and (not n.isdigit() or int(n) > self.limit):
             return await _send_error(send, 413, msg)
-        seen, over, started = 0, False, False
+        seen, read, started = 0, False, False
+        refused: tuple[int, str] | None = None
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited():
-            nonlocal seen, over
-            message = await receive()
+            nonlocal seen, read, refused
+            if read:  # the body is in: what comes next (a disconnect) may take as long as the answer
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                refused = (408, f"the request body did not arrive within {self.timeout:g} s "
+                                "(http_body_timeout_s); send the whole body at once")
+                raise HTTPException(408, refused[1]) from None  # stops the read; the answer is replaced
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                read = not message.get("more_body", False)
                 if seen > self.limit:
-                    over = True
-                    raise HTTPException(413, msg)  # stops the read; the app's own answer to it is replaced
+                    refused = (413, msg)
+                    raise HTTPException(413, msg)
             return message
 
         async def guarded(message):
             nonlocal started
-            if over:
+            if refused is not None:
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -105,16 +116,19 @@ class BodyLimit:
         try:
             await self.app(scope, limited, guarded)
         except Exception:
-            if not over:
+            if refused is None:
                 raise
-        if over and not started:
-            await _send_error(send, 413, msg)
+        if refused is not None and not started:
+            await _send_error(send, *refused)
 
 
 async def _send_error(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(grpc.StatusCode.INVALID_ARGUMENT, message)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    code = grpc.StatusCode.DEADLINE_EXCEEDED if status == 408 else grpc.StatusCode.INVALID_ARGUMENT
+    body = json.dumps(error_body(code, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 408:  # the rest of that body may still come: the connection cannot carry another request
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -136,7 +150,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
     add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": dict(servicer.consumer_status)})
     add_auth(app, token, servicer.metrics)
-    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes)  # runs before the token check
+    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes, timeout=s.http_body_timeout_s)  # before the token check
     app.add_middleware(HTTPAccounting, metrics=servicer.metrics, paths=PATHS, access_log=s.access_log)  # outermost
 
     @app.exception_handler(RequestValidationError)
