@@ -246,13 +246,17 @@ def generate(
         method, params = parse_variant(method)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    given: set[str] = set()
     for p in param:
         key, eq, value = p.partition("=")
         key = key.strip()
         if not (eq and key):
             raise typer.BadParameter(f"--param takes KEY=VALUE (block_tokens=0.35), got {p!r}")
+        if key in given:
+            raise typer.BadParameter(f"--param {key} is given twice; give each setting once")
         if params.get(key, value) != value:
-            raise typer.BadParameter(f"--param {p!r} contradicts --method {method}'s {key}={params[key]}")
+            raise typer.BadParameter(f"--param {p!r} contradicts --method {method}:{key}={params[key]}")
+        given.add(key)
         params[key] = value
 
     ca = None
