@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from shared.errors import DataLoss, clip
 from shared.rpc.wire import MAX_MESSAGE_BYTES
@@ -163,6 +164,9 @@ class GRPCServer:
         self.server = grpc.aio.server(options=OPTIONS + [("grpc.so_reuseport", 0)], interceptors=self._interceptors)
         self._add(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # server reflection: `grpcurl HOST:PORT list` / `describe` work without the .proto files (behind
+        # the bearer token, like the service itself)
+        reflection.enable_server_reflection([*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         addr = f"{self.host}:{self.port}"
         try:
             if self._credentials is not None:
