@@ -36,10 +36,14 @@ def check_text(value, where: str = "body") -> None:
             check_text(v, f"{where}[{i}]")
 
 
+REQUIRED = ("model", "prompt", "messages")
+"""Fields a null does not stand in for (every other null is the field's default)."""
+
 UNSUPPORTED: dict[str, tuple] = {  # field -> its neutral values (booleans and numbers compare equal: False == 0)
     "echo": (False,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "suffix": ("",),
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (), "tools": (), "functions": (),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": (),
+    "audio": (), "modalities": (),
 }
 UNSUPPORTED_WHY = {
     "echo": "echo is not supported (the answer never repeats the prompt)",
@@ -55,6 +59,8 @@ UNSUPPORTED_WHY = {
     "tool_choice": "tool_choice other than \"none\" or \"auto\" is not supported (no function calling)",
     "function_call": "function_call other than \"none\" or \"auto\" is not supported (no function calling)",
     "response_format": "response_format other than {\"type\": \"text\"} is not supported (no constrained output)",
+    "audio": "audio output is not supported (this model writes text)",
+    "modalities": "modalities other than [\"text\"] are not supported (this model writes text)",
 }
 
 
@@ -97,6 +103,8 @@ class Body(BaseModel):
     tool_choice: Any = None
     function_call: Any = None
     response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
     # SCD extensions
     method: str = Field("", max_length=64)
     method_params: dict[str, Any] = {}
@@ -107,6 +115,8 @@ class Body(BaseModel):
     @classmethod
     def _text(cls, data):
         check_text(data)
+        if isinstance(data, dict):  # null is "not given" in OpenAI's API (clients send temperature: null)
+            data = {k: v for k, v in data.items() if v is not None or k in REQUIRED}
         return data
 
     @field_validator("max_completion_tokens")
@@ -133,6 +143,8 @@ class Body(BaseModel):
     def _unsupported(cls, value, info: ValidationInfo):
         neutral = UNSUPPORTED[info.field_name or ""]
         if value is None or value in ([], {}) or value == {"type": "text"} and info.field_name == "response_format":
+            return value
+        if info.field_name == "modalities" and value == ["text"]:
             return value
         if isinstance(value, (str, int, float)) and value in neutral:  # bool is an int
             return value

@@ -24,6 +24,9 @@ H = {"Authorization": f"Bearer {TOKEN}"}
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"max_tokens": 3, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     "modalities"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
 def test_an_openai_feature_the_server_lacks_is_refused_not_ignored(svc, path, extra, field):
     """An answer without what was asked for (logprobs, JSON output, a tool call) would look like a
@@ -42,6 +45,22 @@ def test_neutral_values_of_unsupported_features_are_served(svc, neutral):
     r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
                    json={"model": "chat", "prompt": "hi there", "max_tokens": 2, **neutral})
     assert r.status_code == 200, r.text[:300]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_null_is_the_default_of_every_optional_field(svc, path):
+    """OpenAI's API takes null for an optional field (client libraries send ``temperature: null``);
+    ``temperature``, ``top_p``, ``n``, ``stream`` and the SCD fields answered 400 "should be a valid
+    number"."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+                               "max_completion_tokens", "method", "method_params", "native_prefix", "modalities",
+                               "audio", "logprobs", "tools", "tool_choice", "response_format")}
+    body = {"model": "chat", "max_tokens": 2, **nulls, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                          if "chat" in path else {"prompt": "hi there"})}
+    r = httpx.post(http(svc) + path, headers=H, json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text[:300]
+    r = httpx.post(http(svc) + path, headers=H, json={**body, "model": None}, timeout=60)  # not for what is required
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text[:300]
 
 
 @pytest.mark.parametrize("path,extra,said", [
