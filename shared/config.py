@@ -280,7 +280,7 @@ class ServiceSettings(BaseSettings, Checked):
             key, eq, value = item.partition("=")
             if not eq or not all(part.strip() for part in key.split(".")):
                 raise ConfigError(f"override {item!r} must look like a.b=value")
-            _set(data, key.split("."), yaml.safe_load(value) if value else value)
+            _set(data, key.split("."), override_value(value))
         _deep_update(data, kw)
         try:
             settings = cls(**data)
@@ -293,6 +293,17 @@ class ServiceSettings(BaseSettings, Checked):
             lines = "\n".join(f"  {line}" for line in problems)
             raise ConfigError(f"invalid {cls.__name__}:\n{lines}") from None
         return settings
+
+
+def override_value(text: str):
+    """A ``--set key=value``'s value: a YAML scalar, list or mapping (``8``, ``true``, ``[a, b]``);
+    text that is not valid YAML (``[``, ``a: b: c``) is that text, for the setting to check."""
+    if not text:
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _pop(d: dict, path: list[str]) -> None:

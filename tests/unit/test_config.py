@@ -292,3 +292,14 @@ def test_no_setting_takes_nan_or_infinity(tmp_path):
             check_settings(kind, params)
     with pytest.raises(ValueError, match="timeout_s: Input should be a finite number"):
         parse_extra("kv_consumer", {"timeout_s": float("inf")})
+
+
+@pytest.mark.parametrize("value, said", [("[", "http.port: Input should be a valid integer"),
+                                         ("a: b: c", "http.port: Input should be a valid integer"),
+                                         ("{x", "http.port: Input should be a valid integer")])
+def test_a_set_value_that_is_not_yaml_is_checked_as_text(value, said):
+    """`scd serve --set http.port=[` was a YAML parser's traceback; the value is now the text itself,
+    which the setting refuses by name (a string setting takes it)."""
+    with pytest.raises(ConfigError, match=said.replace("[", r"\[")):
+        ConsumerSettings.load(overrides=["model.path=/x", f"http.port={value}"])
+    assert ConsumerSettings.load(overrides=["model.path=/x", f"model.adapter={value}"]).model.adapter == value

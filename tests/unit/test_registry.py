@@ -338,6 +338,15 @@ def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
     assert res.exit_code == 2 and match in said(res), res.output
 
 
+@pytest.mark.parametrize("item, match", [("=1", "--set '=1' must look like key=value"),
+                                         (" =1", "must look like key=value"),
+                                         ("n_val=[", "--set n_val takes a whole number >= 1")])
+def test_calibrate_refuses_a_set_without_key_or_with_a_broken_value(home, item, match):
+    """``--set =1`` said "--set '': not a known setting"; ``--set n_val=[`` was a YAML traceback."""
+    res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--method", "droidspeak", "--set", item])
+    assert res.exit_code == 2 and match in said(res), res.output
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "true"])
 def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--method", "droidspeak", "--set", f"n_val={value}"])

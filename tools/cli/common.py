@@ -221,13 +221,13 @@ def validation_prompts(pm: PairModels, data_file: Path | None, n: int | None = N
 
 
 def parse_set(values: list[str]) -> dict:
-    """``--set key=value`` flags as a dict (values read as YAML scalars)."""
-    import yaml
+    """``--set key=value`` flags as a dict (values read as YAML: ``shared.config.override_value``)."""
+    from shared.config import override_value
 
     out = {}
     for item in values:
-        if "=" not in item:
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
             raise typer.BadParameter(f"--set {item!r} must look like key=value")
-        k, v = item.split("=", 1)
-        out[k] = yaml.safe_load(v)
+        out[k.strip()] = override_value(v)
     return out
