@@ -39,7 +39,8 @@ def build_server(engine: ConsumerEngine) -> GRPCServer:
     if s.http.port is not None:
         from shared.rpc.http import HTTPServer, metrics_app
 
-        server.http = HTTPServer(metrics_app(metrics, token), s.http.host, s.http.port, s.security, s.server.grace_s)
+        server.http = HTTPServer(metrics_app(metrics, token), s.http.host, s.http.port, s.security, s.server.grace_s,
+                                 s.http.read_timeout_s)
         server.on_start.append(server.http.start)
         server.on_stop.append(server.http.stop)
     return server

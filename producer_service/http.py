@@ -96,7 +96,7 @@ class BodyLimit:
                 message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
             except TimeoutError:
                 refused = (408, f"the request body did not arrive within {self.timeout:g} s "
-                                "(http_body_timeout_s); send the whole body at once")
+                                "(http.read_timeout_s); send the whole body at once")
                 raise HTTPException(408, refused[1]) from None  # stops the read; the answer is replaced
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
@@ -150,7 +150,7 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
     add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": dict(servicer.consumer_status)})
     add_auth(app, token, servicer.metrics)
-    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes, timeout=s.http_body_timeout_s)  # before the token check
+    app.add_middleware(BodyLimit, limit=s.max_http_body_bytes, timeout=s.http.read_timeout_s)  # before the token check
     app.add_middleware(HTTPAccounting, metrics=servicer.metrics, paths=PATHS, access_log=s.access_log)  # outermost
 
     @app.exception_handler(RequestValidationError)

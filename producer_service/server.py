@@ -42,7 +42,8 @@ def build_server(engine: ProducerEngine) -> tuple[GRPCServer, ProducerServicer]:
         from producer_service.http import make_app
         from shared.rpc.http import HTTPServer
 
-        server.http = HTTPServer(make_app(servicer, token), s.http.host, s.http.port, s.security, s.server.grace_s)
+        server.http = HTTPServer(make_app(servicer, token), s.http.host, s.http.port, s.security, s.server.grace_s,
+                                 s.http.read_timeout_s)
         server.on_start.append(server.http.start)
         server.on_stop.append(server.http.stop)
     return server, servicer

@@ -80,9 +80,6 @@ class ProducerSettings(ServiceSettings):
     consumer reads all three."""
     max_http_body_bytes: Bytes = Field(1 << 20, ge=1024)
     """HTTP request bodies larger than this are refused (413) before they are parsed."""
-    http_body_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
-    """An HTTP request body that has not all arrived this many seconds after its headers is refused
-    (408) and its connection closed."""
     access_log: bool = True
     """One INFO line per finished request on the ``scd.access`` logger (its id, consumer, method,
     outcome, tokens, time to first token, bytes): ``request=ID key=value ...``."""

@@ -219,6 +219,10 @@ class HTTPSettings(Checked):
     port: int | None = Field(None, ge=0, le=65535)
     """None disables the HTTP server; 0 picks a free port. Producer: the OpenAI-compatible front,
     /health and /metrics. Consumer: /health and /metrics."""
+    read_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """A request must arrive whole within this many seconds: its headers from the connection's
+    first byte (or the end of the previous answer), its body from its headers. A connection that
+    sends nothing, or stops mid-request, is closed (mid-body: a 408 first)."""
 
 
 class BenchSettings(Checked):

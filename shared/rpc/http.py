@@ -11,10 +11,12 @@ import socket
 from typing import Any
 
 import grpc
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shared.errors import clip
 from shared.metrics import CONTENT_TYPE, Metrics, log_request
@@ -178,6 +180,44 @@ def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:
     return app
 
 
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for a request's headers (``read_timeout``): uvicorn arms
+    no timer before a connection's first request, nor while a request's headers trickle in after a
+    keep-alive, so a client that sends nothing, or part of the headers, held the connection for ever.
+    The body's deadline is the app's (the producer's ``BodyLimit``)."""
+
+    read_timeout = 30.0
+    _headers_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._wait_for_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is None or self.cycle.response_complete:  # between requests: headers still to come
+            self._wait_for_headers()
+        elif self._headers_timer is not None:  # a request began
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+        super().connection_lost(exc)
+
+    def _wait_for_headers(self) -> None:
+        if self._headers_timer is None:  # one deadline per request, not one per piece of it
+            self._headers_timer = self.loop.call_later(self.read_timeout, self._late)
+
+    def _late(self) -> None:
+        self._headers_timer = None
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):  # the gRPC server owns SIGTERM/SIGINT and stops us
@@ -187,8 +227,9 @@ class _Server(uvicorn.Server):
 class HTTPServer:
     """uvicorn serving ``app`` in the running event loop; ``start()`` returns the bound port."""
 
-    def __init__(self, app, host: str, port: int, security: SecuritySettings | None = None, grace_s: float = 5.0):
-        self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
+    def __init__(self, app, host: str, port: int, security: SecuritySettings | None = None, grace_s: float = 5.0,
+                 read_timeout_s: float = 30.0):
+        self.app, self.host, self.port, self.grace_s, self.read_timeout_s = app, host, port, grace_s, read_timeout_s
         self.security = security or SecuritySettings()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -212,7 +253,8 @@ class HTTPServer:
             kw = dict(ssl_certfile=s.tls_cert, ssl_keyfile=s.tls_key)
             if s.tls_client_ca:
                 kw.update(ssl_ca_certs=s.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        cfg = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+        protocol = type("Protocol", (_Protocol,), {"read_timeout": self.read_timeout_s})
+        cfg = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False, http=protocol,
                              timeout_graceful_shutdown=math.ceil(self.grace_s + GRACE_MARGIN_S), **kw)
         self._server = _Server(cfg)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
