@@ -332,6 +332,12 @@ def test_devices_are_checked_before_any_weight_is_read(home, folders):
     (["--methods", "oracle,scd:block_tokens=7"], "scd:block_tokens=7: invalid settings for method 'scd': block_tokens"),
     (["--methods", "oracle,quant", "--param", "quant.bits=99"], "quant: invalid settings for method 'quant': bits"),
     (["--methods", "auto:time_tolerance=2"], "auto:time_tolerance=2: invalid settings for method 'auto'"),
+    # a setting given twice with (possibly) two values: the last (or the label) won without a word
+    (["--methods", "quant", "--param", "quant.bits=4", "--param", "quant.bits=8"],
+     "--param quant.bits is given twice"),
+    (["--methods", "quant:bits=4", "--param", "quant.bits=8"],
+     "--param quant.bits=8 contradicts --methods quant:bits=4"),
+    (["--methods", "scd:block_tokens=0.3;block_tokens=0.2"], "sets block_tokens twice"),
 ])
 def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
     res = CliRunner().invoke(app, ["eval", "--pair", "nope", *args])

@@ -146,7 +146,14 @@ def eval_(
             raise typer.BadParameter(f"--param takes METHOD.KEY=VALUE (scd.block_tokens=0.35), got {p!r}")
         if meth not in names:
             raise typer.BadParameter(f"--param {p!r}: method {meth!r} is not in --methods {names}")
+        if k in params.get(meth, {}):
+            raise typer.BadParameter(f"--param {meth}.{k} is given twice; give each setting once")
         params.setdefault(meth, {})[k] = value
+    for lab, (kind, vp) in variants.items():  # a label's own setting and a --param for its kind, two values
+        for k, v in vp.items():
+            if params.get(kind, {}).get(k, v) != v:
+                raise typer.BadParameter(f"--param {kind}.{k}={params[kind][k]} contradicts --methods {lab}; "
+                                         "give each setting once")
     settings = {lab: {**params.get(kind, {}), **vp} or None for lab, (kind, vp) in variants.items()}
     for lab, (kind, _) in variants.items():  # refused before the models load, as each request would be
         try:
