@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import socket
+import uuid
 from typing import Any
 
 import grpc
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from shared.errors import clip
+from shared.errors import MAX_ID_CHARS, clip
 from shared.metrics import CONTENT_TYPE, Metrics, log_request
 from shared.rpc.security import SecuritySettings, token_ok
 from shared.rpc.server import GRACE_MARGIN_S, listen_error
@@ -81,6 +82,9 @@ class HTTPAccounting:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         seen: dict[str, Any] = {"status": 500, "body": b"", "done": False}
+        given = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
+        # the request's id where the app gave none (a refusal before it ran): the client's own if usable
+        rid = given if 0 < len(given) <= MAX_ID_CHARS and given.isascii() and given.isprintable() else uuid.uuid4().hex
 
         def account() -> None:
             if seen["done"]:
@@ -89,13 +93,19 @@ class HTTPAccounting:
             path, status = scope.get("path", ""), seen["status"]
             self.metrics.http_responses.labels(path if path in self.paths else "other", str(status)).inc()
             if status >= 400 and status != 499 and self.access_log and not scope.get("state", {}).get("engine"):
-                rid = dict(scope.get("headers") or ()).get(b"x-request-id", b"-").decode("latin-1")
                 log_request(rid, http=f"{scope.get('method', '')} {path}", status=status, error=_message(seen["body"]))
 
         async def counted(message):
+            nonlocal rid
             if message["type"] == "http.response.start":
                 seen["status"] = message["status"]
-                length = dict(message.get("headers") or ()).get(b"content-length", b"")
+                headers = dict(message.get("headers") or ())
+                if b"x-request-id" in headers:  # the app's (the client's own, or one it made)
+                    rid = headers[b"x-request-id"].decode("latin-1")
+                else:  # every answer carries one, a refusal before the app ran too
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (b"x-request-id", rid.encode("latin-1"))]}
+                length = headers.get(b"content-length", b"")
                 seen["length"] = int(length) if length.isdigit() else None
                 seen["sent"] = 0
             elif message["type"] == "http.response.body":

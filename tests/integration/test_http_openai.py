@@ -361,3 +361,25 @@ def test_a_request_the_engine_refused_is_logged_once_and_other_paths_are_counted
     text = httpx.get(http(svc) + "/metrics", headers=H, timeout=10).text
     assert 'scd_producer_http_responses_total{path="other",status="404"}' in text
     assert "nothing-here" not in text  # the path label stays a bounded set
+
+
+@pytest.mark.parametrize("send, status", [
+    (dict(json={"model": "chat", "prompt": "hi", "max_tokens": "2"}), 400),
+    (dict(json={"model": "chat,nope", "prompt": "hi"}), 404),
+    (dict(content=b"x" * (2 << 20)), 413),
+    (dict(json={"model": "chat", "prompt": "hi"}, headers={"Authorization": "Bearer wrong"}), 401),
+    (dict(json={"model": "chat", "prompt": "hi", "max_tokens": 2}), 200),
+])
+def test_every_answer_carries_a_request_id_and_a_refusals_log_line_shows_it(svc, caplog, send, status):
+    """The docs say every HTTP answer carries X-Request-Id; the front's own refusals (a body that does
+    not validate, a fan-out to an unknown consumer, a body too large, a wrong token) had none."""
+    import logging
+
+    for given in ("trace-7", None):
+        headers = {**H, **({"X-Request-Id": given} if given else {}), **send.get("headers", {})}
+        with caplog.at_level(logging.INFO, logger="scd.access"):
+            r = httpx.post(http(svc) + "/v1/completions", timeout=60, headers=headers,
+                           **{k: v for k, v in send.items() if k != "headers"})
+        rid = r.headers.get("x-request-id")
+        assert r.status_code == status and rid == (given or rid) and rid and len(rid) <= 128, (r.status_code, rid)
+        assert any(x.startswith(f"request={rid} ") for x in _access(caplog)), (rid, _access(caplog))
