@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from shared.config import field_errors, one_of
 from shared.domain import GenerateRequest, SamplingRequest
 from shared.errors import MAX_ID_CHARS, InvalidRequest, clip
+from shared.rpc.http import usable_request_id
 
 U32 = 2**32
 TokenId = Annotated[int, Field(ge=0, lt=U32)]
@@ -251,11 +252,11 @@ def openai_param(param: str | None, body: Body, chat: bool) -> str | None:
 
 
 def client_request_id(header: str | None) -> str:
-    """The request's id: the client's ``X-Request-Id`` (1-128 printable ASCII characters: it is sent
-    back, shown in both services' request logs and in the response's ``id``), else a new one."""
+    """The request's id: the client's ``X-Request-Id`` (``shared.rpc.http.usable_request_id``), else a
+    new one."""
     if header is None:
         return uuid.uuid4().hex
-    if not (0 < len(header) <= MAX_ID_CHARS and header.isascii() and header.isprintable()):
+    if not usable_request_id(header):
         raise InvalidRequest(f"X-Request-Id must be 1-{MAX_ID_CHARS} printable ASCII characters; got {clip(header)}")
     return header
 

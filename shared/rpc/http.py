@@ -52,6 +52,12 @@ def error_response(code: grpc.StatusCode, message: str, param: str | None = None
     return JSONResponse(error_body(code, message, param), status_code=HTTP_STATUS.get(code, 500), headers=headers)
 
 
+def usable_request_id(header: str) -> bool:
+    """Whether a client's ``X-Request-Id`` can be the request's id: 1-128 printable ASCII characters
+    (it is sent back, shown in both services' request logs and in the response's ``id``)."""
+    return 0 < len(header) <= MAX_ID_CHARS and header.isascii() and header.isprintable()
+
+
 def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) -> None:
     """Every route but /health needs ``Authorization: Bearer <token>`` when a token is set."""
     if not token:
@@ -84,7 +90,7 @@ class HTTPAccounting:
         seen: dict[str, Any] = {"status": 500, "body": b"", "done": False}
         given = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
         # the request's id where the app gave none (a refusal before it ran): the client's own if usable
-        rid = given if 0 < len(given) <= MAX_ID_CHARS and given.isascii() and given.isprintable() else uuid.uuid4().hex
+        rid = given if usable_request_id(given) else uuid.uuid4().hex
 
         def account() -> None:
             if seen["done"]:
