@@ -39,6 +39,7 @@ PEER_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect
 NOT_A_CONSUMER = "not an SCD consumer"
 ANOTHER_CONSUMER = "another consumer:"
 WRONG_TOKEN = "refuses the producer's token (give both services the same security.token)"
+NOT_PROBED = "not probed yet"
 
 
 class ProducerServicer(pbg.ProducerServicer):
@@ -52,9 +53,11 @@ class ProducerServicer(pbg.ProducerServicer):
         self._peer_ca = read_ca(sec.peer_ca, "security.peer_ca") if sec.peer_ca else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._probe: asyncio.Task | None = None
-        # the last probe's status of each consumer (empty: not probed yet): "serving", "unavailable",
-        # NOT_A_CONSUMER, ANOTHER_CONSUMER..., WRONG_TOKEN, ... (consumer_status_now)
-        self.consumer_status: dict[str, str] = {}
+        # the last probe's status of each consumer: "serving", "unavailable", NOT_A_CONSUMER,
+        # ANOTHER_CONSUMER..., WRONG_TOKEN, ... (consumer_status_now); NOT_PROBED until the first probe
+        # answers (not ready: nothing says the consumer is there); empty when probes are off
+        probes = bool(engine.settings.health_probe_s)
+        self.consumer_status: dict[str, str] = {n: NOT_PROBED for n in engine.settings.consumers} if probes else {}
         self._calls: set = set()  # consumer calls in flight
         self._shed: set = set()  # ... that shed_inflight() ended
 
@@ -127,7 +130,8 @@ class ProducerServicer(pbg.ProducerServicer):
         statuses = dict(zip(names, await asyncio.gather(*(self.consumer_status_now(n, s.consumers[n].address)
                                                           for n in names))))
         for name, status in statuses.items():  # each change logged once, with where to look
-            before = self.consumer_status.get(name)  # None: the first probe
+            before = self.consumer_status.get(name)
+            before = None if before == NOT_PROBED else before  # None: the first probe
             if status != (before or "serving"):
                 # a misconfiguration, or a consumer that went down, is a warning; one not up yet at the
                 # producer's start (the order two services start in) and one that comes back are not
@@ -163,7 +167,7 @@ class ProducerServicer(pbg.ProducerServicer):
 
     @property
     def consumers_ready(self) -> dict[str, bool]:
-        """Whether each consumer served at the last probe (empty: not probed yet)."""
+        """Whether each consumer served at the last probe (False before the first; empty: probes off)."""
         return {name: status == "serving" for name, status in self.consumer_status.items()}
 
     def ready(self) -> bool:

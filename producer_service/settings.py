@@ -73,7 +73,8 @@ class ProducerSettings(ServiceSettings):
     health_probe_s: float = Field(5.0, ge=0)
     """Every this many seconds the producer checks each consumer's gRPC health: its own health is
     reported per consumer (service ``scd.v1.Producer/<consumer>``; HTTP /health lists them) and it
-    is SERVING only while at least one consumer is. 0: no probes, always SERVING."""
+    is SERVING only while at least one consumer is (NOT_SERVING until the first probe answers). 0: no
+    probes, always SERVING (each consumer's status UNKNOWN)."""
     compression: Literal["zstd", "lz4", "none"] = "zstd"
     """How the stream's tensor chunks are compressed. zstd (default) entropy-codes SCD's int8 codes
     (~25% fewer bytes than lz4 for a few ms per MB); lz4 is what producers before it sent; every

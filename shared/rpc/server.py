@@ -158,6 +158,7 @@ class GRPCServer:
         self.on_start: list = []  # coroutine functions run once the gRPC server serves (e.g. an HTTP front)
         self.on_stop: list = []  # coroutine functions that stop with it, given the same grace (an HTTP front)
         self.on_grace_expired: list = []  # coroutine functions run when the grace is over and requests remain
+        self.initial_health: dict[str, int] = {}  # health statuses set before the port serves (after the defaults)
 
     async def start(self) -> int:
         # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
@@ -181,6 +182,8 @@ class GRPCServer:
         # service name, which the producer reads as "not an SCD consumer"
         for name in ["", "liveness", *self._names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        for name, status in self.initial_health.items():
+            await self.health.set(name, status)
         await self.server.start()
         for fn in self.on_start:
             await fn()

@@ -1,8 +1,9 @@
 """Hardening against an outside tester's classes of defects (tiny models, the real services): empty
 answers, memory a stream may make the consumer allocate, out-of-range and non-text values over
 HTTP, chunked bodies, consistent liars, undecodable envelopes, unbounded echoes, trickling peers,
-the real status behind an aborted stream, and the small protocol checks. Each test fails on the code
-before these fixes. Every wait is a bounded poll; nothing asserts a timing."""
+the real status behind an aborted stream, and the small protocol checks (readiness is in
+test_readiness.py). Each test fails on the code before these fixes. Every wait is a bounded poll;
+nothing asserts a timing."""
 
 from __future__ import annotations
 
@@ -387,39 +388,6 @@ def test_the_consumers_status_reaches_the_client_while_the_producer_still_writes
             gen(svc, consumer="short", method="raw", prompt=long_prompt, max_new_tokens=2)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
         assert "takes 2 to 8" in ei.value.details()
-
-
-# ---------------------------------------------------------------------------- 12. readiness per consumer
-def test_the_producer_reports_readiness_per_consumer(base, tok):
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from ops_common import SEC, consumer
-
-    from producer_service.engine import ProducerEngine
-    from producer_service.settings import ProducerSettings
-    from tools.inprocess import InProcessServices
-
-    def make_producer(addresses):
-        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
-                                  consumers={n: {"address": a} for n, a in addresses.items()}, http={"port": 0},
-                                  security=SEC, health_probe_s=0.2)
-        return ProducerEngine(s, base, tok)
-
-    with InProcessServices([consumer("only", base)], make_producer) as s:
-        def status(service=""):
-            with grpc.insecure_channel(s.producer_address) as ch:
-                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                            timeout=5).status
-
-        url = f"http://127.0.0.1:{s.producer_server.http.port}/health"
-        wait_for(lambda: status("scd.v1.Producer/only") == health_pb2.HealthCheckResponse.SERVING,
-                 what="the consumer to be reported serving")
-        assert httpx.get(url).json()["consumers"] == {"only": "serving"}
-        s._run(s.consumer_servers["only"].stop(0))  # its only consumer goes down
-        wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, what="the producer to say so")
-        assert status("scd.v1.Producer/only") == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert status("liveness") == health_pb2.HealthCheckResponse.SERVING  # not ready, but alive
-        r = httpx.get(url)
-        assert r.status_code == 503 and r.json()["consumers"] == {"only": "unavailable"}
 
 
 # ---------------------------------------------------------------------------- the classes, not the examples

@@ -1,0 +1,84 @@
+"""The producer's readiness per consumer (gRPC health ``scd.v1.Producer/<name>``, its overall status,
+HTTP /health): what it says before, while and after its consumers serve. Every wait is a bounded
+poll; the first probe is held by the test, not raced."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import httpx2 as httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ops_common import SEC, consumer
+from ops_support import wait_for
+
+from producer_service.engine import ProducerEngine
+from producer_service.servicer import NOT_PROBED, ProducerServicer
+from producer_service.settings import ProducerSettings
+from tools.inprocess import InProcessServices
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _producer(base, tok, probe_s: float):
+    def make(addresses):
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                                  consumers={n: {"address": a} for n, a in addresses.items()}, http={"port": 0},
+                                  security=SEC, health_probe_s=probe_s)
+        return ProducerEngine(s, base, tok)
+    return make
+
+
+def _status(s, service: str = "") -> int:
+    with grpc.insecure_channel(s.producer_address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_the_producer_reports_readiness_per_consumer(base, tok):
+    with InProcessServices([consumer("only", base)], _producer(base, tok, 0.2)) as s:
+        url = f"http://127.0.0.1:{s.producer_server.http.port}/health"
+        wait_for(lambda: _status(s, "scd.v1.Producer/only") == SERVING, what="the consumer to be reported serving")
+        assert httpx.get(url).json()["consumers"] == {"only": "serving"}
+        s._run(s.consumer_servers["only"].stop(0))  # its only consumer goes down
+        wait_for(lambda: _status(s) == NOT_SERVING, what="the producer to say so")
+        assert _status(s, "scd.v1.Producer/only") == NOT_SERVING
+        assert _status(s, "liveness") == SERVING  # not ready, but alive
+        r = httpx.get(url)
+        assert r.status_code == 503 and r.json()["consumers"] == {"only": "unavailable"}
+
+
+def test_before_the_first_probe_answers_a_consumer_is_not_serving_not_unknown(base, tok, monkeypatch):
+    """Until the first probe answered, a configured consumer's health service was NOT_FOUND (what a
+    gRPC health client reads as "no such service") and the producer said SERVING overall, /health 200,
+    though nothing yet said any consumer was there. Seen in CI as a readiness test that asked too early."""
+    release = threading.Event()
+    real = ProducerServicer.consumer_status_now
+
+    async def held(self, name, address):  # the first probe waits until the test has looked
+        await asyncio.to_thread(release.wait, 30)
+        return await real(self, name, address)
+
+    monkeypatch.setattr(ProducerServicer, "consumer_status_now", held)
+    with InProcessServices([consumer("only", base)], _producer(base, tok, 0.2)) as s:
+        url = f"http://127.0.0.1:{s.producer_server.http.port}/health"
+        try:
+            assert _status(s, "scd.v1.Producer/only") == NOT_SERVING
+            assert _status(s) == NOT_SERVING and _status(s, "scd.v1.Producer") == NOT_SERVING
+            assert _status(s, "liveness") == SERVING
+            r = httpx.get(url)
+            assert r.status_code == 503 and r.json()["consumers"] == {"only": NOT_PROBED}, r.text
+        finally:
+            release.set()
+        wait_for(lambda: _status(s) == SERVING, what="the first probe to find the consumer")
+        assert _status(s, "scd.v1.Producer/only") == SERVING
+        assert httpx.get(url).json()["consumers"] == {"only": "serving"}
+
+
+def test_without_probes_the_producer_serves_and_a_consumer_is_unknown(base, tok):
+    """health_probe_s = 0: always SERVING (as documented); each consumer's status is UNKNOWN (was NOT_FOUND)."""
+    with InProcessServices([consumer("only", base)], _producer(base, tok, 0)) as s:
+        assert _status(s) == SERVING
+        assert _status(s, "scd.v1.Producer/only") == health_pb2.HealthCheckResponse.UNKNOWN
+        r = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
+        assert r.status_code == 200 and r.json()["consumers"] == {}, r.text
