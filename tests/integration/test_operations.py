@@ -174,8 +174,9 @@ def test_tls_and_mutual_tls_between_client_producer_and_consumer(base, tmp_path)
         with grpc.secure_channel(s.consumer_addresses["tls"], grpc.ssl_channel_credentials(cert)) as ch:
             with pytest.raises(grpc.RpcError):  # no client certificate: the consumer refuses the handshake
                 pbg.ConsumerStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=MD)
+        s._run(s._servicer.probe_once())  # the producer's probe reaches its consumer over mutual TLS too
         r = httpx.get(f"https://127.0.0.1:{s.producer_server.http.port}/health", verify=pem["cert"], timeout=10)
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.json()["consumers"] == {"tls": "serving"}, r.text
 
 
 def test_security_settings_are_validated():
