@@ -37,6 +37,7 @@ from shared.domain import TokenEvent
 from shared.errors import InvalidRequest, SCDError, clip
 from shared.rpc.errors import status_for
 from shared.rpc.http import (
+    READ_METHODS,
     HTTPAccounting,
     add_auth,
     add_metrics_routes,
@@ -164,11 +165,11 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     def _model(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "scd"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models():
         return {"object": "list", "data": [_model(n) for n in s.consumers]}
 
-    @app.get("/v1/models/{name}")
+    @app.api_route("/v1/models/{name}", methods=READ_METHODS)
     async def model(name: str):
         if name not in s.consumers:
             return error_response(grpc.StatusCode.NOT_FOUND,

@@ -31,6 +31,9 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.DATA_LOSS: 502, grpc.StatusCode.CANCELLED: 499,
 }
 OPEN_PATHS = ("/health",)
+READ_METHODS = ["GET", "HEAD"]
+"""What the read-only routes take: HEAD too, as HTTP says a GET resource should (load balancers and
+uptime checks probe with it; it was a 405)."""
 
 
 def error_body(code: grpc.StatusCode, message: str, param: str | None = None) -> dict:
@@ -140,11 +143,11 @@ def _message(body: bytes) -> str:
 
 
 def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True, detail=lambda: None) -> None:
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def _metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def _health():
         ok = ready()
         body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "service": metrics.service}

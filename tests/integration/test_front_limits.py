@@ -1,5 +1,5 @@
-"""The front doors' limits beyond a request's fields: a body that stops arriving, and what a gRPC
-tool (grpcurl) can ask a running service."""
+"""The front doors' limits beyond a request's fields: a body that stops arriving, the HTTP methods a
+route takes, and what a gRPC tool (grpcurl) can ask a running service."""
 
 from __future__ import annotations
 
@@ -26,6 +26,29 @@ def quick(svc, base, tok):
 
     with InProcessServices([], make_producer) as s:
         yield s.producer_server.http.port
+
+
+@pytest.mark.parametrize("side, path", [("producer", "/health"), ("producer", "/metrics"),
+                                        ("producer", "/v1/models"), ("producer", "/v1/models/chat"),
+                                        ("producer", "/v1/models/nosuch"), ("consumer", "/health"),
+                                        ("consumer", "/metrics")])
+def test_head_is_answered_as_get_is_without_a_body(svc, side, path):
+    """Load balancers and uptime checks probe with HEAD, which HTTP says a GET resource takes: it was a
+    405 everywhere. The answer's status and headers are GET's; it has no body; the token still counts."""
+    port = svc.producer_server.http.port if side == "producer" else svc.consumer_servers["lease"].http.port
+    url = f"http://127.0.0.1:{port}{path}"
+    got, head = httpx.get(url, headers=H, timeout=30), httpx.head(url, headers=H, timeout=30)
+    assert head.status_code == got.status_code and head.content == b"", (head.status_code, head.content[:200])
+    assert head.headers["content-type"] == got.headers["content-type"]
+    if path != "/metrics":  # the metrics' text changes between the two calls, so its length may
+        assert head.headers["content-length"] == got.headers["content-length"]
+    if path != "/health":
+        assert httpx.head(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+
+
+def test_a_post_route_still_refuses_head_naming_post(svc):
+    r = httpx.head(f"http://127.0.0.1:{svc.producer_server.http.port}/v1/completions", headers=H, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.content == b""
 
 
 REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
