@@ -30,18 +30,79 @@ GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
-def field_errors(e: ValidationError | list, skip: int = 0) -> list[str]:
+def field_errors(e: ValidationError | list, skip: int = 0, model: type[BaseModel] | None = None) -> list[str]:
     """pydantic's complaints (a ValidationError or its ``errors()``), one ``field.path: message`` each,
     the first ``skip`` parts of each path left out (FastAPI's "body"). Its own report adds types, the
     input and a URL; here a validator's own message loses pydantic's "Value error, " prefix, a field
     the model does not have is "not a known setting", and a complaint about the whole value has no
-    field path."""
+    field path. Given the ``model`` validated, a setting it does not have also gets the closest one
+    it has ("did you mean 'frame_timeout_s'?"), or else the list of those at that level."""
     out = []
     for err in e.errors() if isinstance(e, ValidationError) else e:
-        msg = "not a known setting" if err["type"] == "extra_forbidden" else _plain_message(err["msg"])
         loc = err["loc"][skip:]
+        if err["type"] == "extra_forbidden":
+            msg = "not a known setting" + (_known_settings(model, loc) if model is not None and loc else "")
+        else:
+            msg = _plain_message(err["msg"])
         out.append(f"{'.'.join(str(p) if p != '' else repr(p) for p in loc)}: {msg}" if loc else msg)
     return out
+
+
+def _known_settings(model: type[BaseModel], loc: tuple) -> str:
+    """What a setting at ``loc`` that ``model`` does not have could have been: the closest name at its
+    level, or that level's names (empty when the level is not a model's: a mapping's keys)."""
+    cls: Any = model
+    parts = list(loc[:-1])
+    while parts:
+        field = cls.model_fields.get(str(parts.pop(0))) if isinstance(cls, type) and \
+            issubclass(cls, BaseModel) else None
+        if field is None:
+            return ""
+        cls, keyed = _inner_model(field.annotation)
+        if keyed and parts:  # a mapping of models (consumers.NAME.address): its key is not a setting
+            parts.pop(0)
+        elif keyed:
+            return ""
+    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+        return ""
+    names = list(cls.model_fields)
+    close = closest(str(loc[-1]), names)
+    where = f" of {'.'.join(str(p) for p in loc[:-1])}" if len(loc) > 1 else ""
+    return f"; did you mean {close!r}?" if close else f" (the settings{where}: {', '.join(sorted(names))})"
+
+
+def closest(name: str, names: list[str]) -> str | None:
+    """The one of ``names`` that ``name`` is most likely a typo of, if any is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _env_hint(model: type[BaseModel], variable: str, prefix_len: int) -> str:
+    """What an environment variable whose first part names no setting could have been: the variable
+    with the closest setting in its place, or the settings there are."""
+    parts = variable[prefix_len:].split("__")
+    close = closest(parts[0].lower(), list(model.model_fields))
+    if close is None:
+        return f"an environment variable; the settings: {', '.join(sorted(model.model_fields))}"
+    return f"an environment variable; did you mean {variable[:prefix_len]}{'__'.join([close.upper(), *parts[1:]])}?"
+
+
+def _inner_model(annotation) -> tuple[Any, bool]:
+    """The model class an annotation holds (itself, in an Optional, or as a mapping's value) and
+    whether it is a mapping's value; (None, False) when it holds none."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is dict and len(args) == 2:
+        inner, _ = _inner_model(args[1])
+        return inner, inner is not None
+    for arg in args:
+        inner, keyed = _inner_model(arg)
+        if inner is not None:
+            return inner, keyed
+    return None, False
 
 
 def first_field(e: ValidationError) -> str | None:
@@ -275,8 +336,7 @@ class ServiceSettings(BaseSettings, Checked):
                if prefix and k.lower().startswith(prefix)}
         # pydantic-settings ignores a variable that names no setting (CONSUMER__MAX_CONCURENT, a typo);
         # one under a setting (CONSUMER__SERVER__PORTT) reaches the model, which refuses it
-        problems = [f"{key}: not a known setting (an environment variable; the settings: "
-                    f"{', '.join(sorted(cls.model_fields))})" for key in sorted(env)
+        problems = [f"{key}: not a known setting ({_env_hint(cls, key, len(prefix))})" for key in sorted(env)
                     if env[key][0] not in cls.model_fields]
         for path in env.values():  # environment beats the file: drop file keys the environment sets
             _pop(data, list(path))
@@ -292,7 +352,7 @@ class ServiceSettings(BaseSettings, Checked):
             # a value from the environment is named with its variable (the file and flags name the key)
             problems += [line + next((f" (from {var})" for var, path in env.items()
                                       if tuple(str(p) for p in err["loc"][:len(path)]) == path), "")
-                         for err, line in zip(e.errors(), field_errors(e))]
+                         for err, line in zip(e.errors(), field_errors(e, model=cls))]
         if problems:
             lines = "\n".join(f"  {line}" for line in problems)
             raise ConfigError(f"invalid {cls.__name__}:\n{lines}") from None

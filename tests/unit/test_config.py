@@ -81,9 +81,40 @@ def test_an_environment_variable_naming_no_setting_is_refused(monkeypatch):
     with pytest.raises(ConfigError) as e:
         ConsumerSettings.load(overrides=["model.path=/x"])
     said = str(e.value)
-    assert "CONSUMER__MAX_CONCURENT: not a known setting (an environment variable; the settings: " in said, said
-    assert "max_concurrent" in said and "server.port: Input should be a valid integer" in said, said
+    assert "CONSUMER__MAX_CONCURENT: not a known setting (an environment variable; did you mean " \
+        "CONSUMER__MAX_CONCURRENT?)" in said, said
+    assert "server.port: Input should be a valid integer" in said, said
     assert "(from CONSUMER__SERVER__PORT)" in said, said
+
+
+@pytest.mark.parametrize("cls, given, said", [
+    (ConsumerSettings, ["frame_timeout=3"], "frame_timeout: not a known setting; did you mean 'frame_timeout_s'?"),
+    (ConsumerSettings, ["http.prot=3"], "http.prot: not a known setting; did you mean 'port'?"),
+    (ProducerSettings, ["consumers.a.address=h:1", "consumers.a.adress=h:1"],
+     "consumers.a.adress: not a known setting; did you mean 'address'?"),  # under a consumer's name
+    (ProducerSettings, ["security.tokn=x"], "security.tokn: not a known setting; did you mean 'token'?"),
+    (ProducerSettings, ["bench.zzz=1"], "bench.zzz: not a known setting (the settings of bench: hold_layers)"),
+    (ConsumerSettings, ["qqq=1"], "qqq: not a known setting (the settings: access_log, artifact_store, bench,"),
+])
+def test_a_setting_that_does_not_exist_is_told_the_closest_that_does(cls, given, said):
+    """A typo in --set, a settings file or a variable said "not a known setting" and no more: the user
+    had to look the name up. Now the closest name at that level, or the names there are."""
+    with pytest.raises(ConfigError) as e:
+        cls.load(overrides=["model.path=/x", *given])
+    assert said in str(e.value), str(e.value)
+
+
+def test_an_environment_variable_with_a_typo_is_told_the_variable_it_could_be(monkeypatch):
+    monkeypatch.setenv("PRODUCER__SERVR__PORT", "1")  # the first part names no setting: the whole variable
+    monkeypatch.setenv("PRODUCER__HTTP__PROT", "1")  # a part below it: the setting, from the variable
+    monkeypatch.setenv("PRODUCER__QQQ", "1")
+    with pytest.raises(ConfigError) as e:
+        ProducerSettings.load(overrides=["model.path=/x"])
+    said = str(e.value)
+    assert "PRODUCER__SERVR__PORT: not a known setting (an environment variable; did you mean " \
+        "PRODUCER__SERVER__PORT?)" in said, said
+    assert "http.prot: not a known setting; did you mean 'port'? (from PRODUCER__HTTP__PROT)" in said, said
+    assert "PRODUCER__QQQ: not a known setting (an environment variable; the settings: access_log, bench" in said, said
 
 
 def test_the_deploy_files_environment_names_known_settings():

@@ -472,7 +472,8 @@ def test_outputs_are_checked_before_the_work_that_fills_them(home, tmp_path, com
         assert res.exit_code == 2 and "is a folder; give a file name" in said(res), res.output
 
 
-@pytest.mark.parametrize("setting, said_", [("bogus=1", "--set bogus: not a known setting"),
+@pytest.mark.parametrize("setting, said_", [("bogus=1", "--set bogus: not a known setting (the settings: "),
+                                            ("n_vall=8", "--set n_vall: not a known setting; did you mean 'n_val'?"),
                                             ("r_kv=-1", "--set r_kv: Input should be greater than or equal to 1"),
                                             ("tolerance=abc", "--set tolerance: Input should be a valid number"),
                                             ("r_kv=true", "--set r_kv: Input should be a valid integer"),  # not 1

@@ -161,7 +161,7 @@ def _settings(pair: str, overrides: dict):
     try:
         return CalibrationSettings(pair=pair, **overrides)
     except ValidationError as e:
-        lines = "\n".join(f"  --set {line}" for line in field_errors(e))
+        lines = "\n".join(f"  --set {line}" for line in field_errors(e, model=CalibrationSettings))
         raise ValueError(f"invalid calibration settings:\n{lines}") from None
 
 
