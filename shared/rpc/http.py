@@ -162,9 +162,10 @@ _HTTP_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUT
                413: grpc.StatusCode.INVALID_ARGUMENT}
 
 
-def add_route_errors(app: FastAPI, served: str) -> None:
+def add_route_errors(app: FastAPI, served: str, api_elsewhere: str = "") -> None:
     """The framework's own errors (404, 405, 413...) as OpenAI-style bodies; a path that is not
-    served lists ``served``, a wrong method names the ones the path takes."""
+    served lists ``served`` (and, for an OpenAI API path, ``api_elsewhere``: where that API is), a
+    wrong method names the ones the path takes."""
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -172,6 +173,8 @@ def add_route_errors(app: FastAPI, served: str) -> None:
         msg = str(exc.detail)
         if exc.status_code == 404 and msg == "Not Found":
             msg = f"{clip(request.url.path)} is not served here; this server serves {served}"
+            if api_elsewhere and request.url.path.startswith("/v1/"):
+                msg += f" ({api_elsewhere})"
         elif exc.status_code == 405 and msg == "Method Not Allowed":
             allow = (exc.headers or {}).get("Allow", "another method")
             msg = f"{request.method} is not allowed on {clip(request.url.path)}; use {allow}"
@@ -193,7 +196,8 @@ def _unreadable_body(cause: BaseException | None) -> str:
 def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:
     """The consumer's HTTP side: /metrics (token-checked) and /health."""
     app = FastAPI(title=f"scd {metrics.service}", docs_url=None, redoc_url=None, openapi_url=None)
-    add_route_errors(app, "GET /health, GET /metrics")
+    add_route_errors(app, "GET /health, GET /metrics", "this is an SCD consumer's HTTP port: send OpenAI API "
+                     "requests to the producer's http.port, which names this consumer as its model")
     add_metrics_routes(app, metrics)
     add_auth(app, token, metrics)
     return app

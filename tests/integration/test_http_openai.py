@@ -113,6 +113,12 @@ def test_the_consumers_http_side_answers_unknown_routes_the_same_way(svc):
     err = r.json()["error"]
     assert r.status_code == 404 and "is not served here; this server serves GET /health, GET /metrics" in err["message"]
     assert err["code"] == "NOT_FOUND"
+    # the OpenAI API sent to the consumer (the two services' ports mixed up) is told where it is served
+    assert "this is an SCD consumer's HTTP port: send OpenAI API requests to the producer's http.port" in err["message"]
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers=H, json={"model": "lease"}, timeout=30)
+    assert r.status_code == 404 and "to the producer's http.port" in r.json()["error"]["message"], r.text
+    r = httpx.get(f"http://127.0.0.1:{port}/nosuch", headers=H, timeout=30)  # not an API path: no such hint
+    assert r.status_code == 404 and "producer" not in r.json()["error"]["message"], r.text
 
 
 def _access(caplog) -> list[str]:
