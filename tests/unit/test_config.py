@@ -73,14 +73,18 @@ def test_env_beats_file_and_flags_beat_env(monkeypatch):
     assert ConsumerSettings.load(DEPLOY / "consumer.yaml", ["max_new_tokens=9"]).max_new_tokens == 9
 
 
+def _refused_with_env(monkeypatch, cls, **variables) -> str:
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        cls.load(overrides=["model.path=/x"])
+    return str(e.value)
+
+
 def test_an_environment_variable_naming_no_setting_is_refused(monkeypatch):
     """pydantic-settings ignored CONSUMER__MAX_CONCURENT (a typo): the default was served with no
     word. A bad value from the environment names its variable."""
-    monkeypatch.setenv("CONSUMER__MAX_CONCURENT", "4")
-    monkeypatch.setenv("CONSUMER__SERVER__PORT", "high")
-    with pytest.raises(ConfigError) as e:
-        ConsumerSettings.load(overrides=["model.path=/x"])
-    said = str(e.value)
+    said = _refused_with_env(monkeypatch, ConsumerSettings, CONSUMER__MAX_CONCURENT="4", CONSUMER__SERVER__PORT="high")
     assert "CONSUMER__MAX_CONCURENT: not a known setting (an environment variable; did you mean " \
         "CONSUMER__MAX_CONCURRENT?)" in said, said
     assert "server.port: Input should be a valid integer" in said, said
@@ -105,12 +109,10 @@ def test_a_setting_that_does_not_exist_is_told_the_closest_that_does(cls, given,
 
 
 def test_an_environment_variable_with_a_typo_is_told_the_variable_it_could_be(monkeypatch):
-    monkeypatch.setenv("PRODUCER__SERVR__PORT", "1")  # the first part names no setting: the whole variable
-    monkeypatch.setenv("PRODUCER__HTTP__PROT", "1")  # a part below it: the setting, from the variable
-    monkeypatch.setenv("PRODUCER__QQQ", "1")
-    with pytest.raises(ConfigError) as e:
-        ProducerSettings.load(overrides=["model.path=/x"])
-    said = str(e.value)
+    said = _refused_with_env(monkeypatch, ProducerSettings,
+                             PRODUCER__SERVR__PORT="1",  # the first part names no setting: the whole variable
+                             PRODUCER__HTTP__PROT="1",  # a part below it: the setting, from the variable
+                             PRODUCER__QQQ="1")
     assert "PRODUCER__SERVR__PORT: not a known setting (an environment variable; did you mean " \
         "PRODUCER__SERVER__PORT?)" in said, said
     assert "http.prot: not a known setting; did you mean 'port'? (from PRODUCER__HTTP__PROT)" in said, said
