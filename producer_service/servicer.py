@@ -58,6 +58,8 @@ class ProducerServicer(pbg.ProducerServicer):
         # answers (not ready: nothing says the consumer is there); empty when probes are off
         probes = bool(engine.settings.health_probe_s)
         self.consumer_status: dict[str, str] = {n: NOT_PROBED for n in engine.settings.consumers} if probes else {}
+        for name in self.consumer_status:
+            self.metrics.consumer_up.labels(name).set(0)
         self._calls: set = set()  # consumer calls in flight
         self._shed: set = set()  # ... that shed_inflight() ended
 
@@ -141,6 +143,8 @@ class ProducerServicer(pbg.ProducerServicer):
                     f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER or
                     status.startswith((ANOTHER_CONSUMER, HTTP1)) else "")
         self.consumer_status = statuses
+        for name, status in statuses.items():
+            self.metrics.consumer_up.labels(name).set(status == "serving")
         if health is not None:
             serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
             for name, ok in self.consumers_ready.items():

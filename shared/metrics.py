@@ -60,6 +60,9 @@ class Metrics:
                                       ["consumer"], registry=r)
         self.consumer_ttft = Histogram(p + "consumer_ttft_seconds", "Request received -> first token, by consumer "
                                        "(producer)", ["consumer"], buckets=_SECONDS, registry=r)
+        self.consumer_up = Gauge(p + "consumer_up", "1 while the consumer answered the last health probe as serving, "
+                                 "else 0 (producer; 0 until the first probe; none when health_probe_s is 0)",
+                                 ["consumer"], registry=r)
         self.auto_choices = Counter(p + "auto_choices", "What requests for the auto method were served with, by "
                                     "consumer (producer; the method label, settings included)", ["consumer", "choice"],
                                     registry=r)

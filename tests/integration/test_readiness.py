@@ -35,13 +35,25 @@ def _status(s, service: str = "") -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
+def _up(s, consumer: str = "only") -> float | None:
+    """scd_producer_consumer_up for ``consumer`` as /metrics shows it (None: no sample)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/metrics", headers={"Authorization": f"Bearer "
+                     f"{SEC['token']}"}, timeout=10).raise_for_status().text
+    return next((x.value for f in text_string_to_metric_families(text) for x in f.samples
+                 if x.name == "scd_producer_consumer_up" and x.labels == {"consumer": consumer}), None)
+
+
 def test_the_producer_reports_readiness_per_consumer(base, tok):
     with InProcessServices([consumer("only", base)], _producer(base, tok, 0.2)) as s:
         url = f"http://127.0.0.1:{s.producer_server.http.port}/health"
         wait_for(lambda: _status(s, "scd.v1.Producer/only") == SERVING, what="the consumer to be reported serving")
         assert httpx.get(url).json()["consumers"] == {"only": "serving"}
+        assert _up(s) == 1.0
         s._run(s.consumer_servers["only"].stop(0))  # its only consumer goes down
         wait_for(lambda: _status(s) == NOT_SERVING, what="the producer to say so")
+        assert _up(s) == 0.0
         assert _status(s, "scd.v1.Producer/only") == NOT_SERVING
         assert _status(s, "liveness") == SERVING  # not ready, but alive
         r = httpx.get(url)
@@ -68,11 +80,12 @@ def test_before_the_first_probe_answers_a_consumer_is_not_serving_not_unknown(ba
             assert _status(s, "liveness") == SERVING
             r = httpx.get(url)
             assert r.status_code == 503 and r.json()["consumers"] == {"only": NOT_PROBED}, r.text
+            assert _up(s) == 0.0  # a sample from the start (an alert on it needs one)
         finally:
             release.set()
         wait_for(lambda: _status(s) == SERVING, what="the first probe to find the consumer")
         assert _status(s, "scd.v1.Producer/only") == SERVING
-        assert httpx.get(url).json()["consumers"] == {"only": "serving"}
+        assert httpx.get(url).json()["consumers"] == {"only": "serving"} and _up(s) == 1.0
 
 
 def test_without_probes_the_producer_serves_and_a_consumer_is_unknown(base, tok):
@@ -82,3 +95,4 @@ def test_without_probes_the_producer_serves_and_a_consumer_is_unknown(base, tok)
         assert _status(s, "scd.v1.Producer/only") == health_pb2.HealthCheckResponse.UNKNOWN
         r = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
         assert r.status_code == 200 and r.json()["consumers"] == {}, r.text
+        assert _up(s) is None  # no probes: nothing to say
