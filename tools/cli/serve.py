@@ -215,7 +215,7 @@ def generate(
     max_new_tokens: int = typer.Option(64, min=1, max=2**32 - 1),
     temperature: float = typer.Option(0.0, min=0.0, callback=finite, help="0 is greedy."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, callback=finite, help="Nucleus mass, above 0 and at most 1."),
-    stop: list[str] = typer.Option([]),
+    stop: list[str] = typer.Option([], help="Stop string: the answer ends before it (repeat for several, up to 16)."),
     seed: Optional[int] = typer.Option(None, min=0, max=2**64 - 1, help="Sampling seed (default: a fresh one per "
                                        "request)."),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
