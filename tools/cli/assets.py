@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, output_dir, setup_logging
+from tools.cli.common import Verbose, fail, output_dir, setup_logging
 
 
 @app.command()
@@ -19,7 +19,7 @@ def assets(
     store: Optional[Path] = typer.Option(None, help="A shared artifact store (a mounted volume) to publish the "
                                                   "built-in pairs' committed artifacts into; files that differ are "
                                                   "replaced."),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    verbose: Verbose = False,
 ) -> None:
     """Prepare every built-in asset (idempotent): the producer model, the consumers, the data splits,
     and the registration of the built-in pairs (strong, mild, code, verse)."""

@@ -10,7 +10,18 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import fail, finite, known_methods, name_list, output_file, setup_logging
+from tools.cli.common import (
+    Device,
+    DType,
+    JsonOut,
+    Verbose,
+    fail,
+    finite,
+    known_methods,
+    name_list,
+    output_file,
+    setup_logging,
+)
 
 
 @app.command("bench-overlap")
@@ -20,7 +31,7 @@ def bench_overlap(
     methods: str = typer.Option("raw", help="Comma-separated transfer methods."),
     iters: int = typer.Option(3, min=1, help="Timed requests per method, after a warm-up."),
     tiny: bool = typer.Option(False, help="Tiny random models (smoke test)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
+    json_out: JsonOut = None,
 ) -> None:
     """Benchmark: how much reconstruction overlaps the transfer (a table, then a JSON line)."""
     import grpc
@@ -70,9 +81,9 @@ def bench(
     clients: int = typer.Option(2, min=1, help="--fleet: requests in flight at once."),
     pairs: Optional[str] = typer.Option(None, help="--fleet: registered pairs sharing one producer, comma-separated "
                                                    "(default strong,mild,code,verse)."),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    device: Device = "cpu",
+    dtype: DType = "float32",
+    verbose: Verbose = False,
 ) -> None:
     """Benchmark: TTFT of every method through the real services, producer and consumer in two network
     namespaces joined by a rate-limited veth link (needs root). A table, a JSON file, a PNG, a JSON line."""
@@ -171,9 +182,9 @@ def soak(
     minutes: float = typer.Option(10.0, min=0.5, callback=finite, help="Minutes of traffic."),
     pair: str = typer.Option("strong", help="A registered pair (both services run on this machine)."),
     clients: int = typer.Option(3, min=1, help="Client threads sending at once."),
-    max_new_tokens: int = typer.Option(16, min=1),
-    seed: int = typer.Option(0),
-    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
+    max_new_tokens: int = typer.Option(16, min=1, help="Tokens each request asks for."),
+    seed: int = typer.Option(0, help="Seed of the traffic mix (prompts, methods, cancellations)."),
+    json_out: JsonOut = None,
 ) -> None:
     """Benchmark: minutes of mixed traffic (every method, HTTP and gRPC, streamed or not, cancellations,
     corrupt frames, a consumer restart) against both services; requests by outcome, TTFT, memory.

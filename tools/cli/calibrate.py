@@ -11,6 +11,8 @@ import typer
 
 from tools.cli.app import app
 from tools.cli.common import (
+    Device,
+    DType,
     calibration_prompts,
     check_data,
     fail,
@@ -39,9 +41,10 @@ def calibrate(
                                           "existing artifacts: minutes) or fallback (the layers where scd and "
                                           "scd-reuse send the producer's own K/V, selected again on the existing "
                                           "artifacts; --set modes=scd-reuse for one mode)."),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
-    verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet"),
+    device: Device = "cpu",
+    dtype: DType = "float32",
+    verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet",
+                                 help="Log progress at INFO (--quiet: warnings and errors only)."),
 ) -> None:
     """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store, or
     profile a baseline (--method droidspeak|ridge|spectrum), on the built-in data or your own (--data)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, NoReturn, Optional
 
 import typer
 
@@ -76,6 +76,15 @@ def output_file(path: Path | None) -> Path | None:
     except OSError as e:
         raise typer.BadParameter(f"{path} cannot be written: {e.strerror or e}") from None
     return path
+
+
+# the options several commands take, each with its help text once
+Device = Annotated[str, typer.Option(help="Where the models run: cpu, cuda or cuda:N.")]
+DType = Annotated[str, typer.Option(help="The models' dtype: float32 (fp32; on CPU), bfloat16 (bf16) or float16 "
+                                         "(fp16).")]
+Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="Log progress at INFO (default: warnings and errors).")]
+JsonOut = Annotated[Optional[Path], typer.Option("--json", callback=output_file,
+                                                 help="Also write the results to this JSON file.")]
 
 
 def output_dir(path: Path | None) -> Path | None:

@@ -11,6 +11,10 @@ import typer
 
 from tools.cli.app import app
 from tools.cli.common import (
+    Device,
+    DType,
+    JsonOut,
+    Verbose,
     calibration_prompts,
     check_data,
     fail,
@@ -37,9 +41,9 @@ def drift(
     native_prefix: str = typer.Option("on", help="on | off: consumer's own K/V for the fixed template prefix."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
     json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file, help="Write the results here."),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    device: Device = "cpu",
+    dtype: DType = "float32",
+    verbose: Verbose = False,
 ) -> None:
     """How far the pair's caches disagree: Oracle vs raw transfer on the test split."""
     setup_logging(verbose)
@@ -70,8 +74,8 @@ def anatomy(
     n_val: int = typer.Option(24, min=1, help="Validation prompts scored."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL)."),
     json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file, help="Write the results here."),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
+    device: Device = "cpu",
+    dtype: DType = "float32",
 ) -> None:
     """Where the pair's drift lives (validation split): the consumer's own K/V on some layers,
     full-rank per-token maps, and blocks of its own layers recomputed. Prints a table and JSON."""
@@ -105,14 +109,14 @@ def eval_(
                                                        "passages), lm (Wikipedia and Python docs, continuation "
                                                        "scored) or heldout (license texts, a domain calibration "
                                                        "never sees)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", callback=output_file),
+    json_out: JsonOut = None,
     param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
     sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
     answers: bool = typer.Option(True, help="Also decode each method's greedy answer (agreement and task F1); "
                                  "--no-answers takes the teacher-forced measures only (KL, top-1, perplexity), "
                                  "in about half the time."),
-    device: str = typer.Option("cpu"),
-    dtype: str = typer.Option("float32"),
+    device: Device = "cpu",
+    dtype: DType = "float32",
 ) -> None:
     """Quality and cost of each transfer method against the Oracle, side by side on the same prompts."""
     setup_logging(False)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import check_store, fail, finite, setup_logging
+from tools.cli.common import Verbose, check_store, fail, finite, setup_logging
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
@@ -18,7 +18,6 @@ Host = Annotated[Optional[str], typer.Option(help="Listen address (default: the 
 Port = Annotated[Optional[int], typer.Option(help="gRPC port (default: the settings'; 0 picks a free one).")]
 Config = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML settings file.")]
 Sets = Annotated[list[str], typer.Option("--set", help="Override a setting: a.b=value (repeatable).")]
-Verbose = Annotated[bool, typer.Option("-v", "--verbose")]
 
 
 def _serve(load_engine, build_server, settings) -> None:
@@ -212,7 +211,7 @@ def generate(
     method: str = typer.Option("", help="Transfer method (default: the producer's); a method with settings is "
                                "KIND:KEY=VALUE;KEY=VALUE (scd:block_tokens=0.35)."),
     param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
-    max_new_tokens: int = typer.Option(64, min=1, max=2**32 - 1),
+    max_new_tokens: int = typer.Option(64, min=1, max=2**32 - 1, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, min=0.0, callback=finite, help="0 is greedy."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, callback=finite, help="Nucleus mass, above 0 and at most 1."),
     stop: list[str] = typer.Option([], help="Stop string: the answer ends before it (repeat for several, up to 16)."),
@@ -311,7 +310,7 @@ def generate(
 def demo(
     pair: str = typer.Option("strong", help="A registered pair."),
     methods: str = typer.Option("oracle,raw,scd", help="Comma-separated transfer methods."),
-    max_new_tokens: int = typer.Option(24, min=1),
+    max_new_tokens: int = typer.Option(24, min=1, help="Tokens of each method's answer."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Ask the first test prompt of this JSONL instead."),
 ) -> None:
     """Start a consumer and a producer on localhost, stream a real answer per method, shut down."""
