@@ -32,16 +32,9 @@ def build_server(engine: ProducerEngine) -> tuple[GRPCServer, ProducerServicer]:
     server = GRPCServer(lambda srv: pbg.add_ProducerServicer_to_server(servicer, srv), s.server.host, s.server.port,
                         ["scd.v1.Producer"], interceptors, s.security.server_credentials())
 
-    # each consumer's readiness, and so the producer's, is known once probed: until the first probe
-    # answers they say NOT_SERVING (a probe in between got NOT_FOUND for a configured consumer, and
-    # SERVING overall for a producer whose consumers may all be down); UNKNOWN when probes are off
-    from grpc_health.v1 import health_pb2
-
-    per_consumer = health_pb2.HealthCheckResponse.NOT_SERVING if s.health_probe_s else \
-        health_pb2.HealthCheckResponse.UNKNOWN
-    server.initial_health = {f"scd.v1.Producer/{n}": per_consumer for n in s.consumers}
-    if s.health_probe_s and s.consumers:
-        server.initial_health.update({n: health_pb2.HealthCheckResponse.NOT_SERVING for n in ("", "scd.v1.Producer")})
+    # set before the port serves: until the first probe answers each consumer, and so the producer, is
+    # NOT_SERVING (a probe in between got NOT_FOUND for a configured consumer, and SERVING overall)
+    server.initial_health = servicer.health_statuses()
 
     async def probes():
         servicer.start_probes(server.health)

@@ -58,8 +58,7 @@ class ProducerServicer(pbg.ProducerServicer):
         # answers (not ready: nothing says the consumer is there); empty when probes are off
         probes = bool(engine.settings.health_probe_s)
         self.consumer_status: dict[str, str] = {n: NOT_PROBED for n in engine.settings.consumers} if probes else {}
-        for name in self.consumer_status:
-            self.metrics.consumer_up.labels(name).set(0)
+        self._count_up()
         self._calls: set = set()  # consumer calls in flight
         self._shed: set = set()  # ... that shed_inflight() ended
 
@@ -125,8 +124,6 @@ class ProducerServicer(pbg.ProducerServicer):
 
     async def probe_once(self, health=None) -> dict[str, bool]:
         """Each consumer's gRPC health, now; published on ``health`` when given."""
-        from grpc_health.v1 import health_pb2
-
         s = self.engine.settings
         names = list(s.consumers)
         statuses = dict(zip(names, await asyncio.gather(*(self.consumer_status_now(n, s.consumers[n].address)
@@ -143,16 +140,28 @@ class ProducerServicer(pbg.ProducerServicer):
                     f" (fix consumers.{name}.address)" if status == NOT_A_CONSUMER or
                     status.startswith((ANOTHER_CONSUMER, HTTP1)) else "")
         self.consumer_status = statuses
-        for name, status in statuses.items():
-            self.metrics.consumer_up.labels(name).set(status == "serving")
+        self._count_up()
         if health is not None:
-            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-            for name, ok in self.consumers_ready.items():
-                await health.set(f"scd.v1.Producer/{name}", serving if ok else not_serving)
-            overall = serving if self.ready() else not_serving
-            for service in ("", "scd.v1.Producer"):
-                await health.set(service, overall)
+            for service, code in self.health_statuses().items():
+                await health.set(service, code)
         return self.consumers_ready
+
+    def _count_up(self) -> None:
+        for name, ok in self.consumers_ready.items():
+            self.metrics.consumer_up.labels(name).set(ok)
+
+    def health_statuses(self) -> dict[str, int]:
+        """The producer's gRPC health as the last probe left it: per consumer (``scd.v1.Producer/NAME``:
+        NOT_SERVING before the first probe, UNKNOWN when probes are off) and overall (``""``,
+        ``scd.v1.Producer``: SERVING while a consumer is, or when nothing is probed)."""
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse
+        ready = self.consumers_ready
+        out = {f"scd.v1.Producer/{name}": status.UNKNOWN if name not in ready else
+               status.SERVING if ready[name] else status.NOT_SERVING for name in self.engine.settings.consumers}
+        overall = status.SERVING if self.ready() else status.NOT_SERVING
+        return {**out, "": overall, "scd.v1.Producer": overall}
 
     def start_probes(self, health) -> None:
         period = self.engine.settings.health_probe_s
