@@ -19,22 +19,31 @@ U32 = 2**32
 TokenId = Annotated[int, Field(ge=0, lt=U32)]
 
 
-def check_text(value, where: str = "body") -> None:
+class NotText(ValueError):
+    """A string of the body that is not text; ``param`` is where it is (``messages.0.content``)."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+def check_text(value, where: tuple = ()) -> None:
     """Every string of the body must be encodable as UTF-8 (a lone surrogate such as "\\ud800"
     is valid JSON but not text)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{where} holds a character that is not valid Unicode text at position {e.start} "
-                             "(a lone surrogate); send UTF-8 text") from None
+            param = ".".join(map(str, where)) or None
+            raise NotText(f"{param or 'the body'} holds a character that is not valid Unicode text at position "
+                          f"{e.start} (a lone surrogate); send UTF-8 text", param) from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            check_text(k, where)
-            check_text(v, f"{where}.{k}" if isinstance(k, str) and len(k) < 64 else where)
+            check_text(k, where)  # a key that is not text: said at its object
+            check_text(v, (*where, k) if isinstance(k, str) and len(k) < 64 else where)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            check_text(v, f"{where}[{i}]")
+            check_text(v, (*where, i))
 
 
 REQUIRED = ("model", "prompt", "messages")
@@ -202,8 +211,9 @@ def validation_message(errors) -> str:
 def validation_param(errors) -> str | None:
     """The field the first complaint is about (``messages.0.role``), for the error body's ``param``;
     None for a body that is wrong as a whole."""
-    loc = next((e.get("loc", ()) for e in errors if e.get("type") != "json_invalid"), ())[1:]
-    return ".".join(str(p) for p in loc) or None
+    first = next((e for e in errors if e.get("type") != "json_invalid"), {})
+    where = getattr(first.get("ctx", {}).get("error"), "param", None)  # check_text's, for the body as a whole
+    return where or ".".join(str(p) for p in first.get("loc", ())[1:]) or None
 
 
 def prompt_ids(fmt, body: CompletionBody, max_chars: int) -> list[int]:

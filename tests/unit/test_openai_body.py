@@ -1,0 +1,45 @@
+"""The OpenAI body checks of the producer's HTTP front, as FastAPI hands them their errors."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from producer_service.openai_api import ChatBody, CompletionBody, validation_message, validation_param
+
+BAD = "a\udc00b"  # valid JSON ("a\\udc00b"), not text
+
+
+def refused(cls, body: dict) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as ei:
+        cls.model_validate(body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in ei.value.errors()]  # FastAPI's loc
+    return validation_message(errors), validation_param(errors)
+
+
+@pytest.mark.parametrize("cls, body, param", [
+    (CompletionBody, {"model": "m", "prompt": BAD}, "prompt"),
+    (CompletionBody, {"model": BAD, "prompt": "hi"}, "model"),
+    (CompletionBody, {"model": "m", "prompt": "hi", "stop": ["x", BAD]}, "stop.1"),
+    (CompletionBody, {"model": "m", "prompt": "hi", "method_params": {"k": BAD}}, "method_params.k"),
+    (ChatBody, {"model": "m", "messages": [{"role": "user", "content": BAD}]}, "messages.0.content"),
+    (ChatBody, {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "ok"},
+                                                                        {"type": "text", "text": BAD}]}]},
+     "messages.0.content.1.text"),
+])
+def test_a_string_that_is_not_text_is_refused_naming_its_field(cls, body, param):
+    message, got = refused(cls, body)
+    assert got == param
+    assert message.startswith(f"{param} holds a character that is not valid Unicode text at position 1"), message
+
+
+def test_a_key_that_is_not_text_is_refused_at_its_object():
+    message, param = refused(CompletionBody, {"model": "m", "prompt": "hi", "method_params": {BAD: 1}})
+    assert param == "method_params" and message.startswith("method_params holds"), message
+    message, param = refused(CompletionBody, {"model": "m", "prompt": "hi", BAD: 1})
+    assert param is None and message.startswith("the body holds"), message
+
+
+def test_a_field_error_still_names_its_field():
+    message, param = refused(ChatBody, {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]})
+    assert param == "messages.0.role" and "messages.0.role" in message, message
