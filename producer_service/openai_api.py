@@ -211,7 +211,7 @@ def validation_message(errors) -> str:
 def validation_param(errors) -> str | None:
     """The field the first complaint is about (``messages.0.role``), for the error body's ``param``;
     None for a body that is wrong as a whole."""
-    first = next((e for e in errors if e.get("type") != "json_invalid"), {})
+    first: dict = next((e for e in errors if e.get("type") != "json_invalid"), {})
     where = getattr(first.get("ctx", {}).get("error"), "param", None)  # check_text's, for the body as a whole
     return where or ".".join(str(p) for p in first.get("loc", ())[1:]) or None
 
