@@ -146,3 +146,24 @@ def test_a_prompts_file_without_the_split_a_command_needs_is_refused_before_anyt
     assert res.exit_code == 2 and f"no prompts in the {split} split" in said, res.output
     res = CliRunner().invoke(app, [*command, "--pair", "no-such-pair", "--data", str(tmp_path / "none.jsonl")])
     assert res.exit_code == 2 and "does not exist" in res.output, res.output
+
+
+def test_a_prompts_file_with_few_prompts_in_a_split_a_command_uses_is_said_to_be_small(tmp_path):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+    from tools.data import user
+
+    path = tmp_path / "small.jsonl"
+    path.write_text('{"prompt": "What is 2+2?", "answer": "4"}\n{"prompt": "Name a color.", "answer": "red"}\n'
+                    '{"prompt": "Capital of France?"}\n')
+    n = user.counts(path)
+    assert (n["calibration"], n["validation"], n["test"]) == (2, 1, 0)
+    res = CliRunner().invoke(app, ["calibrate", "--pair", "no-such-pair", "--data", str(path)])
+    said = " ".join(res.output.replace("│", " ").split())
+    assert "has few prompts: 1 in the validation split (layers, ranks and fallbacks are chosen on them; 16+" in said
+    assert "2 in the calibration split (the codes are fitted on them; 32+ recommended)" in said, res.output
+    assert "no-such-pair" in said  # and then it goes on, to the pair that does not exist
+    enough = {"calibration": 0, "validation": 16, "test": 3}  # an empty split is refused elsewhere, not warned
+    assert user.few_prompts(path, enough, ("calibration", "validation")) is None
+    assert "3 in the test split" in (user.few_prompts(path, enough, ("test",)) or "")

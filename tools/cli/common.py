@@ -205,6 +205,9 @@ def check_data(data_file: Path | None, *needed: str) -> None:
         fail(str(e))
     typer.echo(f"data: {data_file}: {sum(n.values())} prompts ({', '.join(f'{k} {v}' for k, v in n.items())})",
                err=True)
+    warning = user.few_prompts(data_file, n, needed)
+    if warning:
+        typer.echo(warning, err=True)
 
 
 def calibration_prompts(pm: PairModels, data_file: Path | None) -> list[list[int]]:

@@ -26,6 +26,12 @@ from tools.data import SPLITS, Item, Split
 
 SPLIT_FRACTIONS = {"calibration": 0.6, "validation": 0.2, "test": 0.2}
 SPLIT_SEED = 20261130
+FEW = {"calibration": 32, "validation": 16, "test": 16}
+"""Below these a split still works but says it is small: calibration fits the codes on its prompts,
+validation chooses layers, ranks and fallbacks on its own, and test is what ``scd eval`` averages.
+The built-in pairs use 64, 24-64 and 48."""
+SPLIT_ROLE = {"calibration": "the codes are fitted on them",
+              "validation": "layers, ranks and fallbacks are chosen on them", "test": "the scores average over them"}
 
 
 class DataFileError(ValueError):
@@ -138,3 +144,13 @@ def counts(path: str | Path, seed: int = SPLIT_SEED) -> dict[str, int]:
 def empty_split(path: str | Path, split: Split, split_counts: dict[str, int]) -> DataFileError:
     return DataFileError(f"{path}: no prompts in the {split} split (splits: {split_counts}); the split takes about "
                          f"{SPLIT_FRACTIONS[split]:.0%} of the lines by a hash of each prompt: add prompts")
+
+
+def few_prompts(path: str | Path, split_counts: dict[str, int], needed: tuple[str, ...]) -> str | None:
+    """A warning when a split a command uses holds fewer prompts than ``FEW`` asks (it still runs)."""
+    small = [s for s in needed if 0 < split_counts[s] < FEW[s]]
+    if not small:
+        return None
+    said = "; ".join(f"{split_counts[s]} in the {s} split ({SPLIT_ROLE[s]}; {FEW[s]}+ recommended)" for s in small)
+    return (f"warning: {path} has few prompts: {said}. The results will be noisy: add prompts (each split takes about "
+            f"{', '.join(f'{v:.0%}' for v in SPLIT_FRACTIONS.values())} of the lines)")
