@@ -152,5 +152,5 @@ def few_prompts(path: str | Path, split_counts: dict[str, int], needed: tuple[st
     if not small:
         return None
     said = "; ".join(f"{split_counts[s]} in the {s} split ({SPLIT_ROLE[s]}; {FEW[s]}+ recommended)" for s in small)
-    return (f"warning: {path} has few prompts: {said}. The results will be noisy: add prompts (each split takes about "
-            f"{', '.join(f'{v:.0%}' for v in SPLIT_FRACTIONS.values())} of the lines)")
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in SPLIT_FRACTIONS.items())
+    return f"warning: {path} has few prompts: {said}. The results will be noisy: add prompts (of the lines, {shares})"
