@@ -141,7 +141,8 @@ def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
     ("application/json", b"null", "the body must be a JSON object"),
     ("text/plain", b'{"model": "chat", "prompt": "hi there"}', "the body must be a JSON object with Content-Type"),
     ("application/json", b'{"model": "chat", "prompt": "hi there"} {}', "the body is not valid JSON (at character"),
-    ("application/json", b'{"model": "chat", "prompt": "\\ud800 sea"}', "body.prompt holds a character that is not"),
+    ("application/json", b'{"model": "chat", "prompt": "\\ud800 sea"}',
+     "prompt holds a character that is not valid Unicode text at position 0"),
     ("application/json", b'{"model": "chat", "prompt": "\xff"}', "the body is not text (utf-8: invalid start byte"),
     ("application/json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ("application/json", b'{"model": "chat", "prompt": [5, -1]}',  # one complaint, not one per union branch
