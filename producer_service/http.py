@@ -18,6 +18,7 @@ import grpc
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.middleware.cors import CORSMiddleware
 
 from producer_service.openai_api import (
     Body,
@@ -145,6 +146,30 @@ async def _hung_up(request: Request) -> None:
         pass
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS; a preflight it refuses is answered as every refusal here is, an OpenAI-style
+    error that says what to change, with the CORS headers a browser reads it by."""
+
+    def preflight_response(self, request_headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code < 400:
+            return answer
+        origin, method = request_headers["origin"], request_headers["access-control-request-method"]
+        said = []
+        if not self.is_allowed_origin(origin=origin):
+            said.append(f"origin {clip(origin)} may not call this API from a browser; add it to the producer's "
+                        f"http.cors_origins (now {sorted(self.allow_origins)})")
+        if method not in self.allow_methods:
+            said.append(f"method {clip(method)} is not served here ({', '.join(self.allow_methods)})")
+        if not said:  # what else Starlette refuses: a private-network preflight
+            said.append("a private-network preflight is refused (a public page may not reach this server)")
+        refused = error_response(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(said))
+        for name, value in answer.headers.items():
+            if name.startswith("access-control-") or name == "vary":
+                refused.headers[name] = value
+        return refused
+
+
 def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     eng = servicer.engine
     s = eng.settings
@@ -152,6 +177,9 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": dict(servicer.consumer_status)})
     add_auth(app, token, servicer.metrics)
     app.add_middleware(BodyLimit, limit=s.max_http_body_bytes, timeout=s.http.read_timeout_s)  # before the token check
+    if s.http.cors_origins:  # outside the token check: a browser's preflight carries no token
+        app.add_middleware(Cors, allow_origins=list(s.http.cors_origins), allow_methods=list(READ_METHODS) +
+                           ["POST"], allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
     app.add_middleware(HTTPAccounting, metrics=servicer.metrics, paths=PATHS, access_log=s.access_log)  # outermost
 
     @app.exception_handler(RequestValidationError)
@@ -160,7 +188,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                               validation_param(exc.errors()))
 
     add_route_errors(app, "POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/NAME], GET /health, "
-                          "GET /metrics")
+                          "GET /metrics",
+                     preflight="to let a web page call this API, list its origin in the producer's http.cors_origins")
 
     def _model(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "scd"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -41,6 +42,26 @@ class ConsumerEndpoint(Checked):
         return check_grpc_target(v)
 
 
+_ORIGIN = re.compile(r"^https?://[^/\s?#]+$")
+
+
+class ProducerHTTPSettings(HTTPSettings):
+    cors_origins: tuple[str, ...] = ()
+    """Browser origins allowed to call the OpenAI API (CORS), as a browser sends its ``Origin``
+    header (``https://chat.example.com``, ``http://localhost:3000``), or ``"*"`` for any. Empty (the
+    default): no CORS headers, and a browser's preflight (``OPTIONS``) is refused."""
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [o for o in v if o != "*" and not _ORIGIN.match(o)]
+        if bad:
+            raise ValueError(f"origin(s) {', '.join(map(repr, bad))}: write each as a browser sends it, "
+                             "scheme://host[:port] with no path or trailing slash (https://chat.example.com), "
+                             "or '*' for any")
+        return v
+
+
 class ProducerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="PRODUCER__", env_nested_delimiter="__", extra="forbid", frozen=True)
 
@@ -67,7 +88,7 @@ class ProducerSettings(ServiceSettings):
     where a method captures every layer's states; the default keeps ~18 states of 1,000 tokens."""
     max_deadline_s: float = Field(600.0, gt=0)
     """Longest deadline a client may ask for; longer ones are cut to this."""
-    http: HTTPSettings = HTTPSettings()
+    http: ProducerHTTPSettings = ProducerHTTPSettings()
     """The OpenAI-compatible HTTP front (/v1/completions, /v1/chat/completions, /v1/models), /health
     and /metrics; off unless http.port is set."""
     health_probe_s: float = Field(5.0, ge=0)

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from shared.errors import ConfigError
 
@@ -296,6 +296,23 @@ class BenchSettings(Checked):
 BENCH_HOLD_METADATA = "scd-bench-hold"
 
 
+_SHAPES = {"tuple_type": "; write a list, e.g. [a, b]", "list_type": "; write a list, e.g. [a, b]",
+           "dict_type": "; write a mapping, e.g. {name: value}"}
+"""What a setting of that shape looks like, in a file, a ``--set`` value or an environment variable."""
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source, its list and mapping values read as ``--set`` reads
+    them: JSON (``["raw", "scd"]``) or YAML (``[raw, scd]``); other text is passed on as text, for the
+    setting to refuse by name (pydantic-settings took JSON only, and raised on anything else)."""
+
+    def decode_complex_value(self, field_name, field, value):
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            return override_value(value)
+
+
 class ServiceSettings(BaseSettings, Checked):
     """Base of ProducerSettings/ConsumerSettings: file < environment < flags."""
 
@@ -304,7 +321,7 @@ class ServiceSettings(BaseSettings, Checked):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
+        return (init_settings, _Environment(settings_cls))
 
     @classmethod
     def load(cls, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
@@ -350,7 +367,7 @@ class ServiceSettings(BaseSettings, Checked):
             settings = cls(**data)
         except ValidationError as e:
             # a value from the environment is named with its variable (the file and flags name the key)
-            problems += [line + next((f" (from {var})" for var, path in env.items()
+            problems += [line + _SHAPES.get(err["type"], "") + next((f" (from {var})" for var, path in env.items()
                                       if tuple(str(p) for p in err["loc"][:len(path)]) == path), "")
                          for err, line in zip(e.errors(), field_errors(e, model=cls))]
         if problems:

@@ -68,8 +68,9 @@ def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) ->
 
     @app.middleware("http")
     async def _bearer(request: Request, call_next):
-        if request.url.path in OPEN_PATHS or token_ok(request.headers.get("authorization"), token):
-            return await call_next(request)
+        preflight = request.method == "OPTIONS" and "access-control-request-method" in request.headers
+        if request.url.path in OPEN_PATHS or preflight or token_ok(request.headers.get("authorization"), token):
+            return await call_next(request)  # a browser's preflight carries no token (no route serves it)
         if metrics is not None:
             metrics.auth_failures.labels("http").inc()
         got = request.headers.get("authorization")
@@ -162,10 +163,11 @@ _HTTP_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUT
                413: grpc.StatusCode.INVALID_ARGUMENT}
 
 
-def add_route_errors(app: FastAPI, served: str, api_elsewhere: str = "") -> None:
+def add_route_errors(app: FastAPI, served: str, api_elsewhere: str = "", preflight: str = "") -> None:
     """The framework's own errors (404, 405, 413...) as OpenAI-style bodies; a path that is not
     served lists ``served`` (and, for an OpenAI API path, ``api_elsewhere``: where that API is), a
-    wrong method names the ones the path takes."""
+    wrong method names the ones the path takes (and a browser's CORS preflight, ``preflight``: how
+    to allow it)."""
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -178,6 +180,8 @@ def add_route_errors(app: FastAPI, served: str, api_elsewhere: str = "") -> None
         elif exc.status_code == 405 and msg == "Method Not Allowed":
             allow = (exc.headers or {}).get("Allow", "another method")
             msg = f"{request.method} is not allowed on {clip(request.url.path)}; use {allow}"
+            if preflight and request.method == "OPTIONS" and "origin" in request.headers:
+                msg += f" (this is a browser's CORS preflight: {preflight})"
         elif exc.status_code == 400 and msg == "There was an error parsing the body":
             msg = _unreadable_body(exc.__cause__)
         return JSONResponse(error_body(code, msg), status_code=exc.status_code, headers=exc.headers)

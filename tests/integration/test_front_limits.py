@@ -12,21 +12,26 @@ from ops_support import wait_for
 H = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.fixture(scope="module")
-def quick(svc, base, tok):
-    """A producer whose HTTP front gives a request 1 s to arrive (``http.read_timeout_s``)."""
+def _producer(svc, base, tok, **http):
+    """A producer of its own before the test's consumer ``chat``, its HTTP front with ``http``."""
     from producer_service.engine import ProducerEngine
     from producer_service.settings import ProducerSettings
     from tools.inprocess import InProcessServices
 
     def make_producer(addresses):
-        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, http={"port": 0, "read_timeout_s": 1.0},
+        s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, http={"port": 0, **http},
                                   default_method="raw", security={"token": TOKEN},
                                   consumers={"chat": {"address": svc.consumer_addresses["chat"]}}, health_probe_s=0)
         return ProducerEngine(s, base, tok)
 
     with InProcessServices([], make_producer) as s:
         yield s.producer_server.http.port
+
+
+@pytest.fixture(scope="module")
+def quick(svc, base, tok):
+    """A producer whose HTTP front gives a request 1 s to arrive (``http.read_timeout_s``)."""
+    yield from _producer(svc, base, tok, read_timeout_s=1.0)
 
 
 @pytest.mark.parametrize("side, path", [("producer", "/health"), ("producer", "/metrics"),
@@ -133,3 +138,52 @@ def test_grpc_reflection_describes_the_service_behind_the_token(svc, side, servi
     with pytest.raises(grpc.RpcError) as ei:  # the token guards it as it guards the service
         ask((), list_services="")
     assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---------------------------------------------------------------------------- browsers (CORS)
+PAGE = "http://localhost:3000"
+
+
+@pytest.fixture(scope="module")
+def browser(svc, base, tok):
+    """A producer whose OpenAI API a web page at ``PAGE`` may call (``http.cors_origins``)."""
+    for port in _producer(svc, base, tok, cors_origins=[PAGE]):
+        yield f"http://127.0.0.1:{port}"
+
+
+def _preflight(url: str, origin: str, method: str = "POST") -> httpx.Response:
+    # what the openai library sends from a browser: its own x-stainless-* headers beside the token
+    return httpx.options(url, timeout=30, headers={"Origin": origin, "Access-Control-Request-Method": method,
+                                                   "Access-Control-Request-Headers": "authorization, content-type, "
+                                                                                     "x-stainless-os"})
+
+
+def test_a_listed_web_page_may_call_the_api_and_read_its_answers_and_refusals(browser):
+    r = _preflight(browser + "/v1/chat/completions", PAGE)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE
+    assert "x-stainless-os" in r.headers["access-control-allow-headers"]
+    assert "POST" in r.headers["access-control-allow-methods"]
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers, status in (({**H, "Origin": PAGE}, 200), ({"Origin": PAGE}, 401)):  # a refusal is readable too
+        r = httpx.post(browser + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == status and r.headers["access-control-allow-origin"] == PAGE, r.text[:300]
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+    r = httpx.post(browser + "/v1/chat/completions", json=body, headers={**H, "Origin": "http://elsewhere.example"},
+                   timeout=60)  # the answer is sent, but no browser shows it to another page
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_an_unlisted_page_or_method_is_refused_at_preflight_saying_what_to_change(browser):
+    r = _preflight(browser + "/v1/completions", "http://elsewhere.example", "PUT")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "INVALID_ARGUMENT", r.text[:300]
+    assert "origin 'http://elsewhere.example' may not call this API from a browser" in err["message"]
+    assert f"http.cors_origins (now ['{PAGE}'])" in err["message"] and "method 'PUT' is not served" in err["message"]
+    assert _preflight(browser + "/v1/completions", PAGE).status_code == 200  # and it serves on
+
+
+def test_without_cors_origins_a_preflight_is_refused_naming_the_setting(svc):
+    r = _preflight(f"http://127.0.0.1:{svc.producer_server.http.port}/v1/completions", PAGE)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    assert "CORS preflight: to let a web page call this API, list its origin in the producer's http.cors_origins" \
+        in r.json()["error"]["message"]

@@ -91,6 +91,29 @@ def test_an_environment_variable_naming_no_setting_is_refused(monkeypatch):
     assert "(from CONSUMER__SERVER__PORT)" in said, said
 
 
+@pytest.mark.parametrize("value", ['["raw", "scd"]', "[raw, scd]", "[raw,scd]"])
+def test_a_list_setting_takes_json_or_yaml_from_the_environment(monkeypatch, value):
+    monkeypatch.setenv("PRODUCER__METHODS", value)
+    monkeypatch.setenv("PRODUCER__HTTP__CORS_ORIGINS", value.replace("raw", "http://a.example").replace("scd", "http://b:1"))
+    s = ProducerSettings.load(overrides=["model.path=/x"])
+    assert s.methods == ("raw", "scd") and s.http.cors_origins == ("http://a.example", "http://b:1")
+
+
+def test_a_list_or_mapping_setting_given_other_text_in_the_environment_is_told_its_shape(monkeypatch):
+    """pydantic-settings read such a variable as JSON only and raised its own SettingsError (a
+    traceback from `scd serve`) on anything else, naming neither the variable nor the form."""
+    said = _refused_with_env(monkeypatch, ProducerSettings, PRODUCER__METHODS="raw,scd",
+                             PRODUCER__HTTP__CORS_ORIGINS="https://a.example", PRODUCER__CONSUMERS="strong=h:1")
+    assert "methods: Input should be a valid tuple; write a list, e.g. [a, b] (from PRODUCER__METHODS)" in said, said
+    assert "http.cors_origins: Input should be a valid tuple; write a list" in said, said
+    assert "consumers: Input should be a valid dictionary; write a mapping, e.g. {name: value} (from " \
+        "PRODUCER__CONSUMERS)" in said, said
+    for name in ("PRODUCER__METHODS", "PRODUCER__HTTP__CORS_ORIGINS", "PRODUCER__CONSUMERS"):
+        monkeypatch.delenv(name)
+    with pytest.raises(ConfigError, match=r"methods: Input should be a valid tuple; write a list, e.g. \[a, b\]$"):
+        ProducerSettings.load(overrides=["model.path=/x", "methods=raw,scd"])  # a flag is told the same
+
+
 @pytest.mark.parametrize("cls, given, said", [
     (ConsumerSettings, ["frame_timeout=3"], "frame_timeout: not a known setting; did you mean 'frame_timeout_s'?"),
     (ConsumerSettings, ["http.prot=3"], "http.prot: not a known setting; did you mean 'port'?"),
@@ -336,3 +359,14 @@ def test_a_set_value_that_is_not_yaml_is_checked_as_text(value, said):
     with pytest.raises(ConfigError, match=said.replace("[", r"\[")):
         ConsumerSettings.load(overrides=["model.path=/x", f"http.port={value}"])
     assert ConsumerSettings.load(overrides=["model.path=/x", f"model.adapter={value}"]).model.adapter == value
+
+
+@pytest.mark.parametrize("origin", ["https://chat.example.com/", "https://chat.example.com/app", "chat.example.com",
+                                    "http://", "*.example.com"])
+def test_a_cors_origin_not_written_as_a_browser_sends_it_is_refused(origin):
+    """A trailing slash or a path never equals a browser's Origin header: the page would be refused
+    with nothing in the settings to say why."""
+    with pytest.raises(ConfigError, match=r"http.cors_origins.*scheme://host\[:port\] with no path"):
+        ProducerSettings.load(overrides=["model.path=/x", f'http.cors_origins=["{origin}"]'])
+    s = ProducerSettings.load(overrides=["model.path=/x", 'http.cors_origins=["http://localhost:3000", "*"]'])
+    assert s.http.cors_origins == ("http://localhost:3000", "*")
