@@ -15,6 +15,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    SecretStr,
     TypeAdapter,
     ValidationError,
     WrapValidator,
@@ -297,7 +298,8 @@ BENCH_HOLD_METADATA = "scd-bench-hold"
 
 
 _SHAPES = {"tuple_type": "; write a list, e.g. [a, b]", "list_type": "; write a list, e.g. [a, b]",
-           "dict_type": "; write a mapping, e.g. {name: value}"}
+           "dict_type": "; write a mapping, e.g. {name: value}",
+           "string_type": "; quote it in YAML (unquoted, YAML reads 12345 as a number and no as false)"}
 """What a setting of that shape looks like, in a file, a ``--set`` value or an environment variable."""
 
 
@@ -361,7 +363,9 @@ class ServiceSettings(BaseSettings, Checked):
             key, eq, value = item.partition("=")
             if not eq or not all(part.strip() for part in key.split(".")):
                 raise ConfigError(f"override {item!r} must look like a.b=value")
-            _set(data, key.split("."), override_value(value))
+            keys = key.split(".")
+            _set(data, keys, value if _takes_text(cls, keys) and override_value(value) is not None
+                 else override_value(value))
         _deep_update(data, kw)
         try:
             settings = cls(**data)
@@ -374,6 +378,39 @@ class ServiceSettings(BaseSettings, Checked):
             lines = "\n".join(f"  {line}" for line in problems)
             raise ConfigError(f"invalid {cls.__name__}:\n{lines}") from None
         return settings
+
+
+def _takes_text(model: Any, path: list[str]) -> bool:
+    """Whether the setting at ``path`` takes text only (a string, a path, a choice of words), so that
+    a ``--set`` value is the text as given: YAML reads ``::`` (listen on every IPv6 address) as a
+    mapping, a token ``12345`` as a number and ``no`` as false."""
+    keys, annotation = list(path), None
+    while keys:
+        field = model.model_fields.get(keys.pop(0)) if model is not None else None
+        if field is None:
+            return False
+        annotation = field.annotation
+        if keys:
+            model, keyed = _inner_model(annotation)
+            if keyed and keys:  # a mapping's key (a consumer's name), then that entry's setting
+                keys.pop(0)
+            if model is None or not keys:
+                return False
+    return _textual(annotation)
+
+
+def _textual(annotation) -> bool:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation in (str, Path, SecretStr):
+        return True
+    if origin is Annotated:
+        return _textual(args[0])
+    if origin is Literal:
+        return all(isinstance(a, str) for a in args)
+    if origin in (Union, types.UnionType):
+        given = [a for a in args if a is not type(None)]
+        return bool(given) and all(_textual(a) for a in given)
+    return False
 
 
 def override_value(text: str):

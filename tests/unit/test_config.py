@@ -370,3 +370,30 @@ def test_a_cors_origin_not_written_as_a_browser_sends_it_is_refused(origin):
         ProducerSettings.load(overrides=["model.path=/x", f'http.cors_origins=["{origin}"]'])
     s = ProducerSettings.load(overrides=["model.path=/x", 'http.cors_origins=["http://localhost:3000", "*"]'])
     assert s.http.cors_origins == ("http://localhost:3000", "*")
+
+
+@pytest.mark.parametrize("given, setting, value", [
+    ("http.host=::", "http.host", "::"),  # every IPv6 address: YAML reads a mapping
+    ("server.host=::", "server.host", "::"),
+    ("security.token=12345", "security.token", "12345"),  # YAML reads a number
+    ("security.token=no", "security.token", "no"),  # and a boolean
+    ("model.dtype=float16", "model.dtype", "float16"),
+])
+def test_a_text_setting_takes_a_set_value_as_the_text_given(given, setting, value):
+    """`--set http.host=::` was refused ("Input should be a valid string"), as was a numeric token."""
+    s = ConsumerSettings.load(overrides=["model.path=/x", given])
+    got = s
+    for part in setting.split("."):
+        got = getattr(got, part)
+    assert (got.get_secret_value() if hasattr(got, "get_secret_value") else got) == value
+    assert ConsumerSettings.load(overrides=["model.path=/x", "security.token=null"]).security.token is None
+    assert ConsumerSettings.load(overrides=["model.path=/x", "server.port=7"]).server.port == 7  # numbers stay numbers
+    p = ProducerSettings.load(overrides=["model.path=/x", "consumers.a.address=[::1]:50052"])
+    assert p.consumers["a"].address == "[::1]:50052"  # was a YAML parse error passed on as text: the same, by luck
+
+
+def test_a_text_setting_a_file_gives_unquoted_is_told_to_quote_it(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("model:\n  path: /x\nsecurity:\n  token: 12345\n")
+    with pytest.raises(ConfigError, match=r"security.token: Input should be a valid string; quote it in YAML"):
+        ConsumerSettings.load(f)
