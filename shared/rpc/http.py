@@ -22,7 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from shared.errors import MAX_ID_CHARS, clip
 from shared.metrics import CONTENT_TYPE, Metrics, log_request
 from shared.rpc.security import SecuritySettings, token_ok
-from shared.rpc.server import GRACE_MARGIN_S, listen_error
+from shared.rpc.server import GRACE_MARGIN_S, address, listen_error
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 412,
@@ -262,12 +262,13 @@ class HTTPServer:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        bare = self.host.strip("[]")  # an IPv6 literal binds without its brackets
+        family = socket.AF_INET6 if ":" in bare else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         # a restarted service binds at once, though connections of its previous run linger in TIME_WAIT
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.host, self.port))
+            sock.bind((bare, self.port))
         except OSError as e:
             sock.close()
             raise listen_error(self.host, self.port, "http", e) from None
@@ -292,7 +293,7 @@ class HTTPServer:
         if self._task.done():
             self._task.result()  # raises the start-up error
         if not self._server.started:
-            raise OSError(f"HTTP server on {self.host}:{self.port} did not start")
+            raise OSError(f"HTTP server on {address(self.host, self.port)} did not start")
         return self.port
 
     async def stop(self) -> None:

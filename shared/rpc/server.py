@@ -24,6 +24,13 @@ OPTIONS = [
 ]
 
 
+def address(host: str, port: int | str) -> str:
+    """``host:port`` as gRPC dials and binds it and as a message shows it: an IPv6 literal in
+    brackets (``[::]:50051``; ``:::50051`` does not parse), whether or not ``host`` has them."""
+    bare = host.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
 def _bind_error(host: str, port: int) -> OSError | None:
     """What binding ``host:port`` raises (None: it binds), with SO_REUSEADDR as both servers set it."""
     try:
@@ -49,7 +56,7 @@ def listen_error(host: str, port: int, settings: str, error: OSError | None = No
     "http", whose ``host``/``port`` the message names). gRPC says only "Failed to bind"; a plain
     socket's bind, tried here when ``error`` is not given, tells which problem it is."""
     error = error or _bind_error(host, port)
-    where = f"cannot listen on {host}:{port}{' for HTTP' if settings == 'http' else ''}"
+    where = f"cannot listen on {address(host, port)}{' for HTTP' if settings == 'http' else ''}"
     if isinstance(error, socket.gaierror):
         why = (f"no such host name ({error.strerror}); set {settings}.host to an address of this machine, "
                "or 0.0.0.0 for all of them")
@@ -168,7 +175,7 @@ class GRPCServer:
         # server reflection: `grpcurl HOST:PORT list` / `describe` work without the .proto files (behind
         # the bearer token, like the service itself)
         reflection.enable_server_reflection([*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        addr = f"{self.host}:{self.port}"
+        addr = address(self.host, self.port)
         try:
             if self._credentials is not None:
                 self.port = self.server.add_secure_port(addr, self._credentials)

@@ -95,3 +95,53 @@ def test_the_health_statuses_are_set_before_the_port_serves(monkeypatch):
 
     asyncio.run(run())
     assert {"", "liveness", "scd.v1.Consumer"} <= set(seen), seen
+
+
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6(), reason="this machine has no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::", "[::]", "::1", "[::1]"])
+def test_an_ipv6_host_is_listened_on_with_or_without_brackets(host):
+    """`server.host: "::"` made gRPC bind ":::50051", which does not parse ("gRPC could not bind it");
+    the HTTP front took "::" but not "[::]". Both take both, and a message shows the bracketed form."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shared.rpc.server import address
+
+    assert address(host, 5) == f"[{host.strip('[]')}]:5" and address("127.0.0.1", 5) == "127.0.0.1:5"
+
+    async def run():
+        server, front = GRPCServer(lambda srv: None, host, 0, ["x"]), HTTPServer(FastAPI(), host, 0)
+        port, http_port = await server.start(), await front.start()
+        try:
+            async with grpc.aio.insecure_channel(address("::1", port)) as ch:
+                got = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            reader, writer = await asyncio.open_connection("::1", http_port)
+            writer.write(b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = await reader.read()
+            writer.close()
+            return got.status, answer.split(b"\r\n", 1)[0]
+        finally:
+            await front.stop()
+            await server.server.stop(0)
+
+    status, line = asyncio.run(run())
+    assert status == 1 and line == b"HTTP/1.1 404 Not Found", (status, line)  # SERVING; FastAPI's own 404
+
+
+@pytest.mark.skipif(not _ipv6(), reason="this machine has no IPv6 loopback")
+def test_a_busy_ipv6_port_is_named_in_brackets():
+    with socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        for said in (_grpc("::1", port), _http("[::1]", port)):
+            assert f"cannot listen on [::1]:{port}" in said and "the port is in use" in said, said

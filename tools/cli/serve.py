@@ -26,7 +26,7 @@ def _serve(load_engine, build_server, settings) -> None:
     from shared.errors import SCDError
 
     async def run() -> None:
-        from shared.rpc.server import check_can_listen
+        from shared.rpc.server import address, check_can_listen
 
         settings.security.check()  # its files, and the addresses below, before minutes of model loading
         check_can_listen(settings.server.host, settings.server.port, "server")
@@ -36,10 +36,10 @@ def _serve(load_engine, build_server, settings) -> None:
         server, servicer = built if isinstance(built, tuple) else (built, None)
         port = await server.start()
         typer.echo(f"{type(settings).__name__.replace('Settings', '').lower()} listening on "
-                   f"{settings.server.host}:{port}", err=True)
+                   f"{address(settings.server.host, port)}", err=True)
         if getattr(server, "http", None) is not None:
             typer.echo(f"HTTP (health, metrics{', OpenAI API' if servicer else ''}) on "
-                       f"{settings.http.host}:{server.http.port}", err=True)
+                       f"{address(settings.http.host, server.http.port)}", err=True)
         try:
             await server.serve_until_signal(settings.server.grace_s)
         finally:
