@@ -52,24 +52,32 @@ def field_errors(e: ValidationError | list, skip: int = 0, model: type[BaseModel
 def _known_settings(model: type[BaseModel], loc: tuple) -> str:
     """What a setting at ``loc`` that ``model`` does not have could have been: the closest name at its
     level, or that level's names (empty when the level is not a model's: a mapping's keys)."""
-    cls: Any = model
-    parts = list(loc[:-1])
-    while parts:
-        field = cls.model_fields.get(str(parts.pop(0))) if isinstance(cls, type) and \
-            issubclass(cls, BaseModel) else None
-        if field is None:
-            return ""
-        cls, keyed = _inner_model(field.annotation)
-        if keyed and parts:  # a mapping of models (consumers.NAME.address): its key is not a setting
-            parts.pop(0)
-        elif keyed:
-            return ""
-    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
+    cls = _model_at(model, loc[:-1])
+    if cls is None:
         return ""
     names = list(cls.model_fields)
     close = closest(str(loc[-1]), names)
     where = f" of {'.'.join(str(p) for p in loc[:-1])}" if len(loc) > 1 else ""
     return f"; did you mean {close!r}?" if close else f" (the settings{where}: {', '.join(sorted(names))})"
+
+
+def _model_at(model: type[BaseModel], parents) -> type[BaseModel] | None:
+    """The model whose settings sit under the path ``parents`` (``consumers.a``: a consumer's entry,
+    a mapping's key being no setting); None where that level is not a model's (a mapping's keys, a
+    plain value, a name the model does not have)."""
+    cls: Any = model
+    parts = list(parents)
+    while parts:
+        field = cls.model_fields.get(str(parts.pop(0))) if isinstance(cls, type) and \
+            issubclass(cls, BaseModel) else None
+        if field is None:
+            return None
+        cls, keyed = _inner_model(field.annotation)
+        if keyed:  # a mapping of models (consumers.NAME.address): its key is not a setting
+            if not parts:
+                return None
+            parts.pop(0)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
 
 
 def closest(name: str, names: list[str]) -> str | None:
@@ -363,9 +371,8 @@ class ServiceSettings(BaseSettings, Checked):
             key, eq, value = item.partition("=")
             if not eq or not all(part.strip() for part in key.split(".")):
                 raise ConfigError(f"override {item!r} must look like a.b=value")
-            keys = key.split(".")
-            _set(data, keys, value if _takes_text(cls, keys) and override_value(value) is not None
-                 else override_value(value))
+            keys, parsed = key.split("."), override_value(value)
+            _set(data, keys, value if parsed is not None and _takes_text(cls, keys) else parsed)
         _deep_update(data, kw)
         try:
             settings = cls(**data)
@@ -380,23 +387,13 @@ class ServiceSettings(BaseSettings, Checked):
         return settings
 
 
-def _takes_text(model: Any, path: list[str]) -> bool:
+def _takes_text(model: type[BaseModel], path: list[str]) -> bool:
     """Whether the setting at ``path`` takes text only (a string, a path, a choice of words), so that
     a ``--set`` value is the text as given: YAML reads ``::`` (listen on every IPv6 address) as a
     mapping, a token ``12345`` as a number and ``no`` as false."""
-    keys, annotation = list(path), None
-    while keys:
-        field = model.model_fields.get(keys.pop(0)) if model is not None else None
-        if field is None:
-            return False
-        annotation = field.annotation
-        if keys:
-            model, keyed = _inner_model(annotation)
-            if keyed and keys:  # a mapping's key (a consumer's name), then that entry's setting
-                keys.pop(0)
-            if model is None or not keys:
-                return False
-    return _textual(annotation)
+    parent = _model_at(model, path[:-1])
+    field = parent.model_fields.get(path[-1]) if parent is not None else None
+    return field is not None and _textual(field.annotation)
 
 
 def _textual(annotation) -> bool:
