@@ -128,6 +128,10 @@ class ProducerEngine(Engine):
     def check_consumers(self, *names: str, param: str | None = None) -> None:
         """NotFound naming the consumers this producer does not know (``param``: the request field)."""
         unknown = [n for n in names if n not in self.settings.consumers]
+        if len(names) == 1 and "," in names[0] and unknown:  # a fan-out is the HTTP API's (model: "a,b")
+            raise InvalidRequest(f"consumer {clip(names[0])} names several consumers; a Generate call streams one "
+                                 "consumer's answer: call Generate once per consumer (concurrent calls share the "
+                                 "producer's prefill) or send model \"a,b\" to the OpenAI API", param=param)
         if unknown:
             said = clip(unknown[0]) if len(unknown) == 1 else f"{[clip(n) for n in unknown]}"
             raise NotFound(f"unknown consumer{'s' if len(unknown) > 1 else ''} {said}; this producer knows "

@@ -91,6 +91,8 @@ BAD = [
     Bad("oversized prompt", dict(prompt=[1] * 5000, consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
     Bad("token out of vocab", dict(prompt=[1, 99999], consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "vocab"),
     Bad("unknown consumer", dict(consumer="nope"), grpc.StatusCode.NOT_FOUND, "unknown consumer"),
+    Bad("several consumers in one call", dict(consumer="same,picky"), grpc.StatusCode.INVALID_ARGUMENT,
+        "call Generate once per consumer"),
     Bad("unknown method", dict(consumer="same", method="magic"), grpc.StatusCode.NOT_FOUND, "magic"),
     Bad("bad method setting", dict(consumer="same", method="raw", method_params={"dtype": "int3"}),
         grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
