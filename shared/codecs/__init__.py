@@ -121,7 +121,16 @@ def check_settings(kind: str, params: dict[str, str] | None = None) -> None:
 
 
 def make_method(kind: str, ctx: CodecContext, params: dict[str, str] | None = None) -> TransferMethod:
-    return CODECS[kind](method_config(kind, params), ctx)
+    """The method ``kind`` with its settings, for this model and pair. A setting that validates but that
+    this model or pair cannot take (a ``group_size`` that does not divide the K/V width, layers
+    outside the model or not calibrated) is an InvalidRequest worded as the validation's are."""
+    cfg = method_config(kind, params)
+    try:
+        return CODECS[kind](cfg, ctx)
+    except InvalidRequest as e:
+        if e.param is None:
+            raise
+        raise InvalidRequest(f"invalid settings for method {kind!r}: {e}", param=e.param) from None
 
 
 __all__ = ["CODECS", "CodecConfig", "CodecContext", "DecodeJob", "DecodeSession", "MethodConfig",

@@ -21,7 +21,7 @@ import torch
 
 from shared.config import Checked
 from shared.domain import Schema, TensorSpec
-from shared.errors import DataLoss, InvalidPayload, InvalidRequest
+from shared.errors import DataLoss, InvalidPayload, InvalidRequest, clip
 from shared.model.hf_adapter import ModelAdapter, PrefillState
 
 
@@ -37,26 +37,41 @@ class MethodConfig(Checked):
 
 
 def parse_int_list(value):
-    """A list of layer indices from a list, a JSON/YAML list string or ``"3,7"``."""
+    """A list of layer indices from a list, one number, a JSON/YAML list string or ``"3,7"``; ValueError
+    (as a setting's message) saying how to write one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
     if isinstance(value, str) and value.strip() not in ("auto", "none", ""):
         text = value.strip()
-        if text.startswith("["):
-            return json.loads(text)
-        return [int(x) for x in text.split(",")]
+        try:
+            return json.loads(text) if text.startswith("[") else [int(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"write layer numbers separated by commas (e.g. 0,3), a JSON list ([0, 3]), auto or "
+                             f"none; got {clip(text)}") from None
     return "none" if value == "" else value
 
 
 def parse_blocks(value):
-    """Blocks [[a, b], ...] (end exclusive) from a list, a JSON list string or ``"3-6,10-12"``."""
-    if isinstance(value, str) and value.strip() not in ("auto", ""):
-        text = value.strip()
-        if text.startswith("["):
-            return json.loads(text)
-        out = []
-        for part in (p for p in text.split(",") if p.strip()):
-            a, _, b = part.partition("-")
-            out.append([int(a), int(b)])
-        return out
+    """Blocks [[a, b], ...] (end exclusive) from a list, a JSON list string or ``"3-6,10-12"``; ValueError
+    (as a setting's message) saying how to write them."""
+    given = value
+    try:
+        if isinstance(value, str) and value.strip() != "auto":
+            text = value.strip()
+            if text.startswith("["):
+                value = json.loads(text)
+            else:
+                value = []
+                for part in text.split(","):
+                    a, dash, b = part.partition("-")
+                    if not dash:
+                        raise ValueError
+                    value.append([int(a), int(b)])
+        if value != "auto" and not (isinstance(value, list) and all(isinstance(b, (list, tuple)) for b in value)):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"write blocks as FIRST-END layers, END exclusive, separated by commas (e.g. 13-24 or "
+                         f"3-6,10-12), a JSON list ([[13, 24]]) or auto; got {clip(str(given))}") from None
     return value
 
 
@@ -154,12 +169,13 @@ class DecodeSession(ABC):
         return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
 
 
-def check_group_size(kind: str, width: int, g: int) -> None:
+def check_group_size(width: int, g: int, when: str = "") -> None:
     """A request's ``group_size`` for groups of K/V channels must divide the model's K/V width."""
     if width % g:
         fits = [d for d in range(2, min(width, 128) + 1) if width % d == 0][-4:] or [1]
-        raise InvalidRequest(f"{kind} group_size {g}: the model's K/V width {width} must be a multiple of it (this "
-                             f"model takes e.g. {', '.join(map(str, fits))})")
+        raise InvalidRequest(f"group_size: {g} does not divide the model's K/V width {width}{when}; the width must be "
+                             f"a multiple of it (this model takes e.g. {', '.join(map(str, fits))})",
+                             param="group_size")
 
 
 def all_finite(t: torch.Tensor) -> bool:

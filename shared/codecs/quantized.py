@@ -32,7 +32,7 @@ class QuantKV(TransferMethod, kind="quant", compressive=True):
 
     def __init__(self, cfg, ctx):
         super().__init__(cfg, ctx)
-        check_group_size("quant", ctx.model.kv_dim, cfg.group_size)  # value groups are of channels
+        check_group_size(ctx.model.kv_dim, cfg.group_size)  # value groups are of channels
 
     def _split(self, n: int) -> int:
         """How many leading tokens are quantized: a multiple of the group, the rest stay fp16."""

@@ -99,7 +99,7 @@ class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profil
         self.quantized = cfg.k_bits < 16 or cfg.v_bits < 16
         width = ctx.model.kv_dim
         if self.quantized:
-            check_group_size("ridge (k_bits/v_bits below 16)", width, cfg.group_size)
+            check_group_size(width, cfg.group_size, " (k_bits or v_bits below 16 group K/V channels)")
             if width % 4:
                 raise ConfigError(f"ridge k_bits/v_bits below 16 need a K/V width that is a multiple of 4, not {width}")
 

@@ -199,7 +199,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
             return frozenset()
         want = frozenset(spec)
         if not want <= have:
-            raise InvalidRequest(f"patch layers {sorted(want - have)} were not calibrated; available: {sorted(have)}")
+            raise InvalidRequest(f"patch_layers: layers {sorted(want - have)} were not calibrated for pair "
+                                 f"{self.meta.pair!r}; it has {sorted(have) or 'none'} (or give auto, none)",
+                                 param="patch_layers")
         return want
 
     def _fallback_layers(self) -> list[int]:

@@ -14,22 +14,28 @@ from pydantic import field_validator
 
 from shared.codecs.base import SKIP, DecodeSession, MethodConfig, TransferMethod, kv_spec, parse_blocks, skip_tensors
 from shared.domain import TensorSpec
-from shared.errors import ConfigError, InvalidPayload, InvalidRequest
+from shared.errors import ConfigError, InvalidPayload, InvalidRequest, clip
 
 
 def check_blocks(blocks: list, n_layers: int) -> list[tuple[int, int]]:
     """Blocks [(a, b), ...] (end exclusive), validated against the depth and non-overlapping."""
     out = []
     for blk in blocks:
-        if len(blk) != 2:
-            raise InvalidRequest(f"a block is [first, end) with end exclusive, e.g. [3, 6]; got {blk!r}")
-        a, b = int(blk[0]), int(blk[1])
+        if not isinstance(blk, (list, tuple)) or len(blk) != 2 or not all(isinstance(x, int) for x in blk):
+            raise InvalidRequest(f"blocks: a block is two layer numbers [FIRST, END], END exclusive (e.g. [3, 6] or "
+                                 f"3-6); got {clip(repr(blk))}", param="blocks")
+        a, b = blk
+        if a >= b:
+            raise InvalidRequest(f"blocks: block {a}-{b} holds no layer: END is exclusive and must be above FIRST "
+                                 f"(e.g. {a}-{a + 1} is layer {a} alone)", param="blocks")
         if not 0 <= a < b <= n_layers:
-            raise InvalidRequest(f"block {a}-{b} is outside 0..{n_layers}")
+            raise InvalidRequest(f"blocks: block {a}-{b} is outside the model's {n_layers} layers (FIRST from 0, END "
+                                 f"at most {n_layers})", param="blocks")
         out.append((a, b))
     out.sort()
     if any(b1 > a2 for (_, b1), (a2, _) in zip(out, out[1:])):
-        raise InvalidRequest(f"blocks overlap: {blocks!r}")
+        raise InvalidRequest(f"blocks: {', '.join(f'{a}-{b}' for a, b in out)} overlap; give each layer to one block",
+                             param="blocks")
     return out
 
 

@@ -90,7 +90,7 @@ class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"p
         else:
             self.int4 = cfg.int4 == "on"
             self._pin = ""
-        check_group_size("spectrum", ctx.model.kv_dim, cfg.group_size)
+        check_group_size(ctx.model.kv_dim, cfg.group_size)
 
     def pin(self) -> str:
         return self._pin
