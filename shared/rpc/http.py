@@ -21,7 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from shared.errors import MAX_ID_CHARS, clip
 from shared.metrics import CONTENT_TYPE, Metrics, log_request
-from shared.rpc.security import SecuritySettings, token_ok
+from shared.rpc.security import SecuritySettings, token_ok, token_problem
 from shared.rpc.server import GRACE_MARGIN_S, address, listen_error
 
 HTTP_STATUS = {
@@ -73,9 +73,7 @@ def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) ->
             return await call_next(request)  # a browser's preflight carries no token (no route serves it)
         if metrics is not None:
             metrics.auth_failures.labels("http").inc()
-        got = request.headers.get("authorization")
-        msg = ("missing bearer token: send 'Authorization: Bearer <token>'" if got is None else
-               "wrong bearer token: send the token this service was configured with")
+        msg = token_problem(request.headers.get("authorization"), "'Authorization: Bearer <token>'")
         return error_response(grpc.StatusCode.UNAUTHENTICATED, msg)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from pydantic import BaseModel, ConfigDict, SecretStr, model_validator
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, clip
 
 CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -154,6 +154,20 @@ def token_ok(header: str | None, token: str) -> bool:
                                                               token.encode())
 
 
+def token_problem(header: str | None, where: str) -> str:
+    """Why ``header`` (the raw authorization value) was refused, saying what to send; ``where``: how the
+    client sends it (``'Authorization: Bearer <token>'`` or gRPC metadata)."""
+    if header is None or not header.strip():
+        return f"missing bearer token: send {where}"
+    scheme, _, credentials = header.strip().partition(" ")
+    if scheme.lower() == "bearer" and not credentials.strip():
+        return f"missing bearer token: the authorization names the scheme but no token; send {where}"
+    if scheme.lower() != "bearer":
+        said = f"scheme {clip(scheme, 16)}" if credentials.strip() else "a value with no scheme"
+        return f"the authorization is not a bearer token ({said}): send {where}"
+    return "wrong bearer token: send the token this service was configured with"
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -193,6 +207,4 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self.on_failure:
             self.on_failure()
-        msg = ("missing bearer token: send metadata 'authorization: Bearer <token>'" if got is None else
-               "wrong bearer token: send the token this service was configured with")
-        return _denied(handler, msg)
+        return _denied(handler, token_problem(got, "metadata 'authorization: Bearer <token>'"))

@@ -106,6 +106,14 @@ def test_wrong_or_missing_token_is_refused_on_grpc_and_http(svc):
             r = httpx.request(method, http(svc) + path, headers=headers, json={"model": "chat", "prompt": "x"})
             assert r.status_code == 401, (path, headers, r.status_code)
             assert "bearer token" in r.json()["error"]["message"]
+    for value, says in (("Basic d3Jvbmc=", "not a bearer token (scheme 'Basic')"),  # it said 'wrong bearer token'
+                        (TOKEN, "not a bearer token (a value with no scheme)")):
+        r = httpx.get(http(svc) + "/v1/models", headers={"authorization": value})
+        assert r.status_code == 401 and says in r.json()["error"]["message"], r.text
+        assert "'Authorization: Bearer <token>'" in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as ei:
+        client.generate(svc.producer_address, req, timeout=30, metadata=(("authorization", TOKEN),))
+    assert "not a bearer token" in ei.value.details() and "metadata 'authorization: Bearer" in ei.value.details()
     assert httpx.get(http(svc) + "/health").status_code == 200
     assert svc._servicer.metrics.value("auth_failures_total", transport="grpc") >= 2
     assert svc._servicer.metrics.value("auth_failures_total", transport="http") >= 8

@@ -397,3 +397,21 @@ def test_a_text_setting_a_file_gives_unquoted_is_told_to_quote_it(tmp_path):
     f.write_text("model:\n  path: /x\nsecurity:\n  token: 12345\n")
     with pytest.raises(ConfigError, match=r"security.token: Input should be a valid string; quote it in YAML"):
         ConsumerSettings.load(f)
+
+
+@pytest.mark.parametrize("header,says", [
+    (None, "missing bearer token"),
+    ("  ", "missing bearer token"),
+    ("Bearer", "names the scheme but no token"),
+    ("Basic dXNlcjpw", "not a bearer token (scheme 'Basic')"),
+    ("s3cret", "not a bearer token (a value with no scheme)"),
+    ("Bearer nope", "wrong bearer token"),
+    ("bearer  nope ", "wrong bearer token"),
+])
+def test_a_refused_authorization_says_what_was_wrong(header, says):
+    from shared.rpc.security import token_ok, token_problem
+
+    assert not token_ok(header, "s3cret")
+    msg = token_problem(header, "'Authorization: Bearer <token>'")
+    assert says in msg, msg
+    assert ("configured with" if says == "wrong bearer token" else "send 'Authorization: Bearer <token>'") in msg
