@@ -80,6 +80,10 @@ def test_operator_prompts_file(tmp_path, tokenizer):
     (b'{"prompt": "a", "extra": 1}\n', "p.jsonl:1: unknown fields"),
     (b'{"prompt": "broken\n', "p.jsonl:1: looks like JSON but does not parse"),
     (b'{"prompt": "  "}\n', "p.jsonl:1: empty prompt"),
+    (b'{"prompt": 5}\n', r'p.jsonl:1: "prompt" must be text or a list of chat messages .* not a number'),
+    (b'{"prompt": {"role": "user"}}\n', r'p.jsonl:1: "prompt" must be text .* not an object'),
+    (b'{"prompt": "a", "answer": ["x"]}\n', 'p.jsonl:1: "answer" must be text, not a list'),
+    (b'{"prompt": "a", "id": 1.5}\n', 'p.jsonl:1: "id" must be a string or a number, not a number'),
 ])
 def test_an_unusable_prompts_file_is_refused_with_its_line(tmp_path, tokenizer, content, match):
     from shared.model.prompt import PromptFormat
@@ -89,6 +93,18 @@ def test_an_unusable_prompts_file_is_refused_with_its_line(tmp_path, tokenizer, 
     f.write_bytes(content)
     with pytest.raises(user.DataFileError, match=match):
         user.load(f, PromptFormat(tokenizer))
+
+
+def test_numbered_records_and_null_fields_are_read(tmp_path, tokenizer):
+    """A record numbered with an integer id, or with "answer": null, as datasets are often written,
+    was refused ('"id" must be a string')."""
+    from shared.model.prompt import PromptFormat
+    from tools.data import user
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 7, "prompt": "What is 2+2?", "answer": null, "continuation": null}\n')
+    item = user.load(f, PromptFormat(tokenizer))[0]
+    assert (item.id, item.answer, item.continuation) == ("7", "", "")
 
 
 def test_a_prompts_path_that_is_a_folder_or_starts_with_a_bom(tmp_path, tokenizer):

@@ -78,18 +78,35 @@ def _records(path: Path) -> list[tuple[int, dict]]:
         if isinstance(p, str):
             if not p.strip():
                 raise DataFileError(f"{path}:{i + 1}: empty prompt")
-        else:
+        elif isinstance(p, list):
             try:
                 check_messages(p)
             except InvalidRequest as e:
                 raise DataFileError(f"{path}:{i + 1}: {e}") from None
+        else:
+            raise DataFileError(f"{path}:{i + 1}: \"prompt\" must be text or a list of chat messages "
+                                f"({{\"role\", \"content\"}} objects), not {_json_type(p)}")
         for k in ("answer", "continuation", "id"):
-            if k in obj and not isinstance(obj[k], str):
-                raise DataFileError(f"{path}:{i + 1}: \"{k}\" must be a string")
+            if k in obj and obj[k] is None:  # null: not given
+                del obj[k]
+            elif k == "id" and type(obj.get(k)) is int:  # numbered records
+                obj[k] = str(obj[k])
+            elif k in obj and not isinstance(obj[k], str):
+                raise DataFileError(f"{path}:{i + 1}: \"{k}\" must be {'a string or a number' if k == 'id' else 'text'}"
+                                    f", not {_json_type(obj[k])}")
         out.append((i, obj))
     if not out:
         raise DataFileError(f"{path}: no prompts found")
     return out
+
+
+def _json_type(value) -> str:
+    """How a JSON value reads in a message: 'a number', 'an object'..."""
+    for types, name in ((bool, "true or false"), ((int, float), "a number"), (dict, "an object"), (list, "a list"),
+                        (str, "text")):
+        if isinstance(value, types):
+            return name
+    return "null"
 
 
 def split_of(obj: dict, seed: int = SPLIT_SEED) -> Split:
