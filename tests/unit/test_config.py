@@ -415,3 +415,39 @@ def test_a_refused_authorization_says_what_was_wrong(header, says):
     msg = token_problem(header, "'Authorization: Bearer <token>'")
     assert says in msg, msg
     assert ("configured with" if says == "wrong bearer token" else "send 'Authorization: Bearer <token>'") in msg
+
+
+@pytest.mark.parametrize("method,sets,says", [
+    ("droidspeak", ["rank=3"], "--set rank: not a known setting"),  # it was "profile() got an unexpected keyword"
+    ("droidspeak", ["block_len=abc"], "--set block_len: Input should be a valid integer"),
+    ("droidspeak", ["budget_layers=0"], "--set budget_layers: Input should be greater than or equal to 1"),
+    ("spectrum", ["min_top1=2"], "--set min_top1: Input should be less than or equal to 1"),
+    ("spectrum", ["progress=false"], "--set progress: not a known setting"),
+    ("ridge", ["top_ks=[]"], "--set top_ks: "),
+    ("ridge", ["stop_ids=[1]"], "--set stop_ids: not a known setting"),
+    ("auto", ["rank=3"], "unknown auto settings ['rank']"),
+    ("refine", ["r_kv=3"], "unknown refine settings ['r_kv']"),
+    ("fallback", ["foo=1"], "unknown fallback settings ['foo']"),
+])
+def test_calibrate_checks_each_methods_settings_before_loading_models(monkeypatch, method, sets, says):
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+    from tools.cli import calibrate as calibrate_cli
+
+    def no_models(*a, **k):
+        raise AssertionError("models loaded before the settings were checked")
+
+    monkeypatch.setattr(calibrate_cli, "pair_models", no_models)
+    r = CliRunner().invoke(app, ["calibrate", "--pair", "strong", "--method", method,
+                                 *[x for s in sets for x in ("--set", s)]])
+    assert r.exit_code != 0 and says in r.output, r.output
+    assert "unexpected keyword" not in r.output and "AssertionError" not in repr(r.exception)
+
+
+def test_a_baselines_checked_settings_reach_it_typed():
+    from tools.cli.calibrate import _method_settings
+
+    assert _method_settings("ridge", {"top_ks": [2], "alphas": [0.1]}) == {"top_ks": (2,), "alphas": (0.1,)}
+    assert _method_settings("droidspeak", {"block_len": 8}) == {"block_len": 8}  # only what was given
+    assert _method_settings("scd", {"r_kv": 3}) == {"r_kv": 3}  # checked by CalibrationSettings instead

@@ -107,3 +107,40 @@ class CalibrationSettings(Checked):
     """Validation prompts on which the fast search screens the block's placements."""
     fast_stride: int = Field(3, ge=1)
     """Layers between the block placements the fast search screens."""
+
+
+class DroidSpeakSettings(Checked):
+    """``scd calibrate --method droidspeak --set ...`` (``tools.calibration.droidspeak.profile``)."""
+
+    budget_layers: int = Field(12, ge=1)
+    """Layers the consumer may recompute, over all blocks."""
+    block_len: int = Field(12, ge=1)
+    """Layers of each candidate block."""
+    n_val: int = Field(24, ge=1)
+
+
+class SpectrumSettings(Checked):
+    """``scd calibrate --method spectrum --set ...`` (``tools.calibration.spectrum.probe``)."""
+
+    budget: float = Field(0.3, gt=0, le=1)
+    trials: int = Field(3, ge=1)
+    min_top1: float = Field(0.9, ge=0, le=1)
+    """int4 is allowed when the three-tier transfer agrees with raw on at least this share of tokens."""
+    n_new: int = Field(32, ge=1)
+    n_val: int = Field(24, ge=1)
+
+
+class RidgeSettings(Checked):
+    """``scd calibrate --method ridge --set ...`` (``tools.calibration.ridge.calibrate``)."""
+
+    top_ks: tuple[int, ...] = Field((1, 2, 3), min_length=1)
+    """Grid: how many of the producer's layers around each layer its map reads."""
+    alphas: tuple[float, ...] = Field((1e-3, 1e-2, 1e-1), min_length=1)
+    """Grid: ridge penalties."""
+    n_val: int = Field(8, ge=1)
+    n_prompts: int = Field(64, ge=1)
+
+
+BASELINE_SETTINGS: dict[str, type[Checked]] = {"droidspeak": DroidSpeakSettings, "spectrum": SpectrumSettings,
+                                                "ridge": RidgeSettings}
+"""The ``--set`` keys each baseline's calibration takes, typed; validated before any model loads."""

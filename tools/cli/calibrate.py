@@ -60,6 +60,10 @@ def calibrate(
     except ValueError as e:
         fail(str(e))
     n_val = cfg.n_val if cfg else _whole(overrides, "n_val", 24)
+    try:
+        overrides = _method_settings(method, overrides)
+    except ValueError as e:
+        fail(str(e))
     check_data(data_file, "validation", *(() if method in ("droidspeak", "spectrum", "auto", "fallback") else
                                           ("calibration",)))
     pm = pair_models(pair, device, dtype)
@@ -168,6 +172,38 @@ def _settings(pair: str, overrides: dict):
         raise ValueError(f"invalid calibration settings:\n{lines}") from None
 
 
+# the --set keys of the methods that check them in their own step (their values: CalibrationSettings)
+_TAKES = {"auto": {"n_val", "candidates"},
+          "refine": {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
+                     "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens"},
+          "fallback": {"n_val", "val_tokens", "fallback_gain", "fallback_bound", "spill_dir", "modes"}}
+
+
+def _method_settings(method: str, overrides: dict) -> dict:
+    """``--set`` values checked for ``method`` before any model loads: a baseline's typed (its
+    settings model), the others' keys; ValueError listing each bad one (``--set KEY: what is wrong``).
+    A baseline's profile function was called with them as they were: an unknown key ended in
+    "profile() got an unexpected keyword argument", after the models had loaded."""
+    from pydantic import ValidationError
+
+    from shared.config import field_errors
+    from tools.calibration.settings import BASELINE_SETTINGS
+
+    if method in BASELINE_SETTINGS:
+        model = BASELINE_SETTINGS[method]
+        try:
+            checked = model(**overrides)
+        except ValidationError as e:
+            lines = "\n".join(f"  --set {line}" for line in field_errors(e, model=model))
+            raise ValueError(f"invalid {method} calibration settings:\n{lines}") from None
+        return {k: getattr(checked, k) for k in overrides}
+    unknown = set(overrides) - _TAKES.get(method, set(overrides))
+    if unknown:
+        raise ValueError(f"unknown {method} settings {sorted(unknown)}; {method} takes {sorted(_TAKES[method])}"
+                         + (" (candidates: method labels separated by spaces)" if method == "auto" else ""))
+    return overrides
+
+
 def _whole(overrides: dict, key: str, default: int) -> int:
     """A count among the --set values: a whole number >= 1, or a usage error naming the flag."""
     v = overrides.get(key, default)
@@ -209,10 +245,6 @@ def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profi
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration.auto import CANDIDATES, operating_table
 
-    unknown = set(overrides) - {"n_val", "candidates"}
-    if unknown:
-        raise ValueError(f"unknown auto settings {sorted(unknown)}; auto takes n_val and candidates "
-                         f"(space-separated labels, default '{' '.join(CANDIDATES)}')")
     cands = tuple(str(overrides["candidates"]).split()) if overrides.get("candidates") else CANDIDATES
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
     pctx = load_context(pm.producer, out / pair, "producer", pfp, cfp)
@@ -245,10 +277,6 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
     from tools.calibration.scoring import Scorer, scd_sides
     from tools.calibration.spill import SpillDir
 
-    allowed = {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
-               "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens"}
-    if set(overrides) - allowed:
-        raise ValueError(f"unknown refine settings {sorted(set(overrides) - allowed)}; refine takes {sorted(allowed)}")
     cfg = _settings(pair, overrides)
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
     meta, prod = store.load(out / pair, "producer", pfp, cfp)
@@ -317,10 +345,6 @@ def _refallback(pm, out: Path, pair: str, val_items: list, val: list, overrides:
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration.refallback import MODES, reselect
 
-    allowed = {"n_val", "val_tokens", "fallback_gain", "fallback_bound", "spill_dir", "modes"}
-    if set(overrides) - allowed:
-        raise ValueError(f"unknown fallback settings {sorted(set(overrides) - allowed)}; fallback takes "
-                         f"{sorted(allowed)}")
     modes = str(overrides.pop("modes", " ".join(MODES))).replace(",", " ").split()
     cfg = _settings(pair, overrides)
     folder, rep = reselect(pm.producer, pm.consumer, out / pair, out, val, [it.kind for it in val_items], cfg, modes,
