@@ -98,3 +98,22 @@ def test_a_prompt_length_the_services_would_refuse_is_refused_before_they_start(
     res = CliRunner().invoke(app, ["bench", "--methods", "raw", *args])
     said = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and bad in said and "give lengths from 31 to 4096" in said, res.output
+
+
+def test_a_model_folder_or_kl_file_named_but_unusable_is_refused_before_the_services_start(real_assets, tmp_path):
+    """``--producer-model`` naming a folder with no model ended in a FileNotFoundError traceback; a
+    ``--kl-json`` that did not exist or did not parse was ignored without a word (the quality-aware
+    target then knew no KL)."""
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    (tmp_path / "notes.json").write_text('{"hello": 1}')
+    for args, says in ((["--producer-model", str(tmp_path)], f"--producer-model folder {tmp_path} has no config.json"),
+                       (["--consumer-model", str(tmp_path / "gone")], "--consumer-model folder"),
+                       (["--kl-json", str(tmp_path / "gone.json")], "cannot be read: No such file or directory"),
+                       (["--kl-json", str(tmp_path / "notes.json")], "is not an `scd eval --json` file")):
+        res = CliRunner().invoke(app, ["bench", "--methods", "raw", "--tokens", "1000", *args])
+        said = " ".join(res.output.replace("│", " ").split())
+        assert res.exit_code == 2 and says in said, res.output
+        assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)

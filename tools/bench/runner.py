@@ -193,13 +193,20 @@ def _stats(runs: list[dict]) -> dict | None:
 def _models(cfg: BenchConfig):
     """(producer folder, consumer folder, consumer adapter, tokenizer, store) of the bench: the
     registered pair's, unless the config names folders."""
-    from shared.model.loading import load_tokenizer
+    from shared.errors import ConfigError
+    from shared.model.loading import check_model_folder, load_tokenizer
     from tools.assets import registry
 
     e = registry.load().pairs.get(cfg.pair)
     if e is None and not (cfg.producer_model and cfg.consumer_model):
         raise BenchError(f"unknown pair {cfg.pair!r} (registered: {registry.names() or 'none'}): run `scd assets`, "
                          "`scd pair add`, or give --producer-model and --consumer-model")
+    for given, option in ((cfg.producer_model, "--producer-model"), (cfg.consumer_model, "--consumer-model")):
+        if given:
+            try:
+                check_model_folder(given, option)
+            except ConfigError as err:
+                raise BenchError(str(err)) from None
     pm = cfg.producer_model or e.producer
     cm, adapter = (cfg.consumer_model, None) if cfg.consumer_model else e.consumer_model()
     tok = load_tokenizer(Path(e.tokenizer if e else pm), required=False)
@@ -230,6 +237,8 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         raise BenchError("need at least one method, bandwidth, prompt length and repeat")
     for m in cfg.methods:  # a setting no request would take, refused before the services start
         check_variant(m)
+    if cfg.kl_json:
+        _kl(cfg)  # a file named but unreadable is refused now, not after the run
     check_privileges()
     pm, cm, adapter, tok, store = _models(cfg)
     prompts = Prompts(tok, _vocab(pm))
@@ -305,13 +314,22 @@ def _closest(values, target):
 
 
 def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
+    """Each method's KL from an ``scd eval --json`` file, and its path: ``--kl-json``'s (BenchError when
+    it cannot be read: it is checked before the services start), else the pair's file in results/ if
+    there is a readable one."""
     path = Path(cfg.kl_json) if cfg.kl_json else REPO / "results" / f"eval_all_{cfg.pair}_on.json"
-    if not path.exists():
-        return {}, None
     try:
-        return {m: r["kl"] for m, r in json.loads(path.read_text())["methods"].items() if "kl" in r}, str(path)
-    except (ValueError, KeyError, TypeError):
+        kl = {m: r["kl"] for m, r in json.loads(path.read_text())["methods"].items() if "kl" in r}
+    except OSError as e:
+        if cfg.kl_json:
+            raise BenchError(f"--kl-json {path} cannot be read: {e.strerror or e}; give an `scd eval --json` "
+                             "file") from None
         return {}, None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        kl = {}
+    if not kl and cfg.kl_json:
+        raise BenchError(f"--kl-json {path} is not an `scd eval --json` file (no methods with a KL in it)")
+    return (kl, str(path)) if kl else ({}, None)
 
 
 def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
