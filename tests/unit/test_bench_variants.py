@@ -34,6 +34,7 @@ def test_a_setting_given_twice_in_one_label_is_refused():
     (["--bandwidths", "nan"], "--bandwidths takes comma-separated positive numbers"),
     (["--bandwidths", "-5"], "--bandwidths takes comma-separated positive numbers"),
     (["--delay-ms", "inf"], "takes a finite number"),  # reached netem
+    (["--delay-ms", "nan"], "takes a finite number, got nan"),  # said "greater than or equal to 0"
     (["--delay-ms", "-5"], "greater than or equal to 0"),
     (["--methods", ","], "--methods needs at least one name"),
     (["--methods", ""], "--methods needs at least one name"),

@@ -375,6 +375,9 @@ def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     (["--temperature", "-1"], "greater than or equal to 0"),
     (["--timeout", "inf"], "takes a finite number"),  # a deadline already passed: DEADLINE_EXCEEDED at once
     (["--temperature", "inf"], "takes a finite number"),
+    (["--temperature", "nan"], "takes a finite number, got nan"),  # said "greater than or equal to 0"
+    (["--top-p", "nan"], "takes a finite number, got nan"),
+    (["--timeout", "nan"], "takes a finite number, got nan"),
     (["--pair", "strong,"], "each once"),
     (["--pair", ",strong"], "each once"),
     (["--pair", "a, a"], "each once"),

@@ -16,7 +16,7 @@ from tools.cli.common import (
     JsonOut,
     Verbose,
     fail,
-    finite,
+    finite_in,
     known_methods,
     name_list,
     output_file,
@@ -64,7 +64,7 @@ def bench(
     tokens: Optional[str] = typer.Option(None, help="Prompt lengths in tokens (default 500,1000,2000)."),
     repeats: Optional[int] = typer.Option(None, min=1, help="Requests per point after a warm-up (default 5; "
                                                            "--quick 3)."),
-    delay_ms: float = typer.Option(0.0, min=0.0, callback=finite,
+    delay_ms: float = typer.Option(0.0, callback=finite_in(0.0),
                                    help="One-way delay added on each direction of the link (needs netem)."),
     pair: str = typer.Option("strong", help="A registered pair (its models and artifact store)."),
     pipelining: bool = typer.Option(True, "--pipelining-comparison/--no-pipelining-comparison",
@@ -179,7 +179,7 @@ def _emit(res: dict, fmt, json_out: Optional[Path], png_out: Optional[Path]) -> 
 
 @app.command()
 def soak(
-    minutes: float = typer.Option(10.0, min=0.5, callback=finite, help="Minutes of traffic."),
+    minutes: float = typer.Option(10.0, callback=finite_in(0.5), help="Minutes of traffic (at least 0.5)."),
     pair: str = typer.Option("strong", help="A registered pair (both services run on this machine)."),
     clients: int = typer.Option(3, min=1, help="Client threads sending at once."),
     max_new_tokens: int = typer.Option(16, min=1, help="Tokens each request asks for."),

@@ -39,6 +39,20 @@ def finite(value: float | None) -> float | None:
     return value
 
 
+def finite_in(lo: float, hi: float | None = None):
+    """A float option's callback: a finite number from ``lo`` (up to ``hi``). In place of typer's
+    ``min``/``max``, which run first and said "Input should be greater than or equal to 0" for NaN."""
+
+    def check(value: float | None) -> float | None:
+        finite(value)
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
+            most = f" and less than or equal to {hi:g}" if hi is not None else ""
+            raise typer.BadParameter(f"takes a finite number greater than or equal to {lo:g}{most}, got {value:g}")
+        return value
+
+    return check
+
+
 def name_list(value: str, option: str = "--methods") -> tuple[str, ...]:
     """A comma-separated option's names (spaces around them dropped); an empty list is refused."""
     names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import Verbose, check_store, fail, finite, setup_logging
+from tools.cli.common import Verbose, check_store, fail, finite_in, setup_logging
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
@@ -212,13 +212,13 @@ def generate(
                                "KIND:KEY=VALUE;KEY=VALUE (scd:block_tokens=0.35)."),
     param: list[str] = typer.Option([], help="Method setting KEY=VALUE (repeatable)."),
     max_new_tokens: int = typer.Option(64, min=1, max=2**32 - 1, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, min=0.0, callback=finite, help="0 is greedy."),
-    top_p: float = typer.Option(1.0, min=0.0, max=1.0, callback=finite, help="Nucleus mass, above 0 and at most 1."),
+    temperature: float = typer.Option(0.0, callback=finite_in(0.0), help="0 is greedy."),
+    top_p: float = typer.Option(1.0, callback=finite_in(0.0, 1.0), help="Nucleus mass, above 0 and at most 1."),
     stop: list[str] = typer.Option([], help="Stop string: the answer ends before it (repeat for several, up to 16)."),
     seed: Optional[int] = typer.Option(None, min=0, max=2**64 - 1, help="Sampling seed (default: a fresh one per "
                                        "request)."),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
-    timeout: float = typer.Option(120.0, min=0.001, callback=finite, help="Deadline in seconds."),
+    timeout: float = typer.Option(120.0, callback=finite_in(0.001), help="Deadline in seconds."),
     token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
     tls_ca: Optional[Path] = typer.Option(None, help="PEM CA to verify a TLS producer."),
 ) -> None:
