@@ -239,7 +239,7 @@ def chat_ids(fmt, body: ChatBody, max_chars: int) -> list[int]:
     for i, m in enumerate(body.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text":
-                raise InvalidRequest(f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
+                raise InvalidRequest(f"messages.{i}.content.{j} is a {part.type!r} part; this model reads text "
                                      "parts only", param=f"messages.{i}.content.{j}")
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     if not any(m["content"].strip() for m in msgs):

@@ -244,6 +244,10 @@ def test_a_method_with_settings_is_taken_as_the_cli_writes_it(svc, base, tok):
     ("/v1/completions", {"prompt": "hi", "method": "raw", "method_params": {"dtype": "float8"}},
      "method_params.dtype"),
     ("/v1/completions", {"prompt": "hi", "method_params": {"bogus": "1"}}, "method_params.bogus"),
+    # settings the model cannot take, found when the method is made (param was null)
+    ("/v1/completions", {"prompt": "hi", "method": "quant", "method_params": {"group_size": "7"}},
+     "method_params.group_size"),
+    ("/v1/completions", {"prompt": "hi", "method": "quant:group_size=7"}, "method"),
 ])
 def test_an_error_names_the_field_at_fault_as_openai_does(svc, path, body, param):
     """OpenAI's error object has ``param`` (the openai client's ``e.param``); it was null for what the

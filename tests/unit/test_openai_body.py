@@ -43,3 +43,16 @@ def test_a_key_that_is_not_text_is_refused_at_its_object():
 def test_a_field_error_still_names_its_field():
     message, param = refused(ChatBody, {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]})
     assert param == "messages.0.role" and "messages.0.role" in message, message
+
+
+def test_a_part_that_is_not_text_is_named_as_param_names_it():
+    """The message said messages[0].content[1] while param said messages.0.content.1."""
+    from producer_service.openai_api import chat_ids
+    from shared.errors import InvalidRequest
+
+    body = ChatBody.model_validate({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(InvalidRequest) as ei:
+        chat_ids(object(), body, 10_000)
+    assert ei.value.param == "messages.0.content.1"
+    assert str(ei.value).startswith("messages.0.content.1 is a 'image_url' part"), str(ei.value)
