@@ -44,10 +44,13 @@ def parse_int_list(value):
     if isinstance(value, str) and value.strip() not in ("auto", "none", ""):
         text = value.strip()
         try:
-            return json.loads(text) if text.startswith("[") else [int(x) for x in text.split(",")]
+            value = json.loads(text) if text.startswith("[") else [int(x) for x in text.split(",")]
+            if not (isinstance(value, list) and all(type(x) is int for x in value)):
+                raise ValueError
         except ValueError:
             raise ValueError(f"write layer numbers separated by commas (e.g. 0,3), a JSON list ([0, 3]), auto or "
                              f"none; got {clip(text)}") from None
+        return value
     return "none" if value == "" else value
 
 

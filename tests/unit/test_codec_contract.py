@@ -483,6 +483,7 @@ def test_calibration_lowers_the_rank_before_the_block_within_its_tolerance(tiny_
     ("quant", {"group_size": "7"}, "group_size", "7 does not divide the model's K/V width"),
     ("scd", {"patch_layers": "9"}, "patch_layers", "layers [9] were not calibrated"),
     ("scd", {"patch_layers": "x"}, "patch_layers", "write layer numbers separated by commas"),
+    ("scd", {"patch_layers": '["a"]'}, "patch_layers", "write layer numbers separated by commas"),
 ])
 def test_a_setting_this_model_or_pair_cannot_take_is_named_with_its_form(contexts, kind, params, param, says):
     """Settings that validate but that the model or pair cannot take (checked when the method is made)
