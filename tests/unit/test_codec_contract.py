@@ -10,7 +10,7 @@ from shared.artifacts import store
 from shared.codecs import CODECS, CodecConfig, CodecContext, DecodeJob, make_method, method_config
 from shared.codecs.scd import PairArtifacts
 from shared.domain import LayerReceived
-from shared.errors import DataLoss, InvalidPayload, InvalidRequest
+from shared.errors import DataLoss, InvalidPayload
 from shared.rpc import scd_pb2 as pb
 from shared.rpc.wire import FrameDecoder, StreamTotals, layer_frames
 
@@ -471,33 +471,3 @@ def test_calibration_lowers_the_rank_before_the_block_within_its_tolerance(tiny_
     low = report["ablation_pre_block_rank"][0]
     assert (store.load_meta(folder).layer_ranks == {}) == (low["kl"] > report["selected_kl"])
 
-
-@pytest.mark.parametrize("kind,params,param,says", [
-    ("droidspeak", {"blocks": "3-1"}, "blocks", "block 3-1 holds no layer"),
-    ("droidspeak", {"blocks": "1-99"}, "blocks", "outside the model's 4 layers"),
-    ("droidspeak", {"blocks": "0-2,1-3"}, "blocks", "0-2, 1-3 overlap"),
-    ("droidspeak", {"blocks": "[[0, 1, 2]]"}, "blocks", "a block is two layer numbers"),
-    ("droidspeak", {"blocks": "2"}, "blocks", "write blocks as FIRST-END"),
-    ("droidspeak", {"blocks": "[2]"}, "blocks", "write blocks as FIRST-END"),
-    ("droidspeak", {"blocks": "a-b"}, "blocks", "write blocks as FIRST-END"),
-    ("quant", {"group_size": "7"}, "group_size", "7 does not divide the model's K/V width"),
-    ("scd", {"patch_layers": "9"}, "patch_layers", "layers [9] were not calibrated"),
-    ("scd", {"patch_layers": "x"}, "patch_layers", "write layer numbers separated by commas"),
-    ("scd", {"patch_layers": '["a"]'}, "patch_layers", "write layer numbers separated by commas"),
-])
-def test_a_setting_this_model_or_pair_cannot_take_is_named_with_its_form(contexts, kind, params, param, says):
-    """Settings that validate but that the model or pair cannot take (checked when the method is made)
-    read like the validation's own errors and name the setting in ``param``: they had no param, and
-    some said only 'is outside 0..30' for a reversed block, or Python's 'invalid literal for int()'."""
-    with pytest.raises(InvalidRequest) as ei:
-        make_method(kind, contexts[0], params)
-    msg = str(ei.value)
-    assert msg.startswith(f"invalid settings for method {kind!r}: {param}: "), msg
-    assert says in msg and "invalid literal" not in msg, msg
-    assert ei.value.param == param
-
-
-def test_one_patch_layer_may_be_given_as_a_number(contexts):
-    layer = contexts[0].artifacts.meta.patch_layers[0]
-    assert make_method("scd", contexts[0], {"patch_layers": str(layer)}).patch == {layer}
-    assert method_config("scd", {}).model_validate({"kind": "scd", "patch_layers": layer}).patch_layers == [layer]
