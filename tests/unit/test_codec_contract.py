@@ -470,4 +470,3 @@ def test_calibration_lowers_the_rank_before_the_block_within_its_tolerance(tiny_
                                                pre_block_ranks=[1], tolerance=0.0)
     low = report["ablation_pre_block_rank"][0]
     assert (store.load_meta(folder).layer_ranks == {}) == (low["kl"] > report["selected_kl"])
-
