@@ -129,6 +129,14 @@ class Body(BaseModel):
             data = {k: v for k, v in data.items() if v is not None or k in REQUIRED}
         return data
 
+    @field_validator("method_params")
+    @classmethod
+    def _settings(cls, value: dict):
+        """A setting given as null is not given (as everywhere in the body); a key is a setting's name."""
+        if any(not k.strip() for k in value):
+            raise ValueError("a key is a setting's name, e.g. {\"block_tokens\": 0.35}; got an empty one")
+        return {k: v for k, v in value.items() if v is not None}
+
     @field_validator("max_completion_tokens")
     @classmethod
     def _one_limit(cls, value, info: ValidationInfo):

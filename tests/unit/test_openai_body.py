@@ -56,3 +56,13 @@ def test_a_part_that_is_not_text_is_named_as_param_names_it():
         chat_ids(object(), body, 10_000)
     assert ei.value.param == "messages.0.content.1"
     assert str(ei.value).startswith("messages.0.content.1 is a 'image_url' part"), str(ei.value)
+
+
+def test_a_method_setting_given_as_null_is_not_given_and_a_key_is_a_name():
+    """``"method_params": {"block_tokens": null}`` reached the method as the text "null" ("unable to
+    parse string as a number"); an empty key was "'': not a known setting" with no param."""
+    body = CompletionBody.model_validate({"model": "m", "prompt": "hi", "method_params": {"block_tokens": None,
+                                                                                         "block_fit": "heads"}})
+    assert body.method_params == {"block_fit": "heads"}
+    message, param = refused(CompletionBody, {"model": "m", "prompt": "hi", "method_params": {" ": "1"}})
+    assert param == "method_params" and "a key is a setting's name" in message, message
