@@ -83,7 +83,7 @@ def test_operator_prompts_file(tmp_path, tokenizer):
     (b'{"prompt": 5}\n', r'p.jsonl:1: "prompt" must be text or a list of chat messages .* not a number'),
     (b'{"prompt": {"role": "user"}}\n', r'p.jsonl:1: "prompt" must be text .* not an object'),
     (b'{"prompt": "a", "answer": ["x"]}\n', 'p.jsonl:1: "answer" must be text, not a list'),
-    (b'{"prompt": "a", "id": 1.5}\n', 'p.jsonl:1: "id" must be a string or a number, not a number'),
+    (b'{"prompt": "a", "id": 1.5}\n', 'p.jsonl:1: "id" must be text or a whole number, not a number'),
 ])
 def test_an_unusable_prompts_file_is_refused_with_its_line(tmp_path, tokenizer, content, match):
     from shared.model.prompt import PromptFormat

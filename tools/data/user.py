@@ -92,8 +92,8 @@ def _records(path: Path) -> list[tuple[int, dict]]:
             elif k == "id" and type(obj.get(k)) is int:  # numbered records
                 obj[k] = str(obj[k])
             elif k in obj and not isinstance(obj[k], str):
-                raise DataFileError(f"{path}:{i + 1}: \"{k}\" must be {'a string or a number' if k == 'id' else 'text'}"
-                                    f", not {_json_type(obj[k])}")
+                want = "text or a whole number" if k == "id" else "text"
+                raise DataFileError(f"{path}:{i + 1}: \"{k}\" must be {want}, not {_json_type(obj[k])}")
         out.append((i, obj))
     if not out:
         raise DataFileError(f"{path}: no prompts found")
