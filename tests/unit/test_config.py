@@ -451,3 +451,32 @@ def test_a_baselines_checked_settings_reach_it_typed():
     assert _method_settings("ridge", {"top_ks": [2], "alphas": [0.1]}) == {"top_ks": (2,), "alphas": (0.1,)}
     assert _method_settings("droidspeak", {"block_len": 8}) == {"block_len": 8}  # only what was given
     assert _method_settings("scd", {"r_kv": 3}) == {"r_kv": 3}  # checked by CalibrationSettings instead
+
+
+@pytest.mark.parametrize("given,scored", [([], 8), (["--set", "n_val=16"], 16), (["--set", "n_val=4"], 4)])
+def test_ridge_calibration_scores_the_validation_prompts_asked_for(monkeypatch, tmp_path, given, scored):
+    """``--method ridge --set n_val=16`` loaded 16 validation prompts, then dropped the setting: the
+    grid was scored on the function's default 8."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import tools.calibration.ridge as ridge
+    from tools.cli import app
+    from tools.cli import calibrate as calibrate_cli
+
+    pm = SimpleNamespace(producer=None, consumer=None, fmt=SimpleNamespace(stop_ids=[0]), store=lambda out: tmp_path)
+    item = SimpleNamespace(prompt_ids=[1, 2], prefix_len=0, continuation_ids=[], kind="qa")
+    monkeypatch.setattr(calibrate_cli, "pair_models", lambda *a: pm)
+    monkeypatch.setattr(calibrate_cli, "validation_items", lambda pm, data, n: [item] * n)
+    monkeypatch.setattr(calibrate_cli, "calibration_prompts", lambda pm, data: [[1, 2]] * 64)
+    seen = {}
+
+    def fit(producer, consumer, cal, val, n_val=8, **kw):
+        seen.update(n_val=n_val, loaded=len(val))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(ridge, "calibrate", fit)
+    r = CliRunner().invoke(app, ["calibrate", "--pair", "strong", "--method", "ridge", *given])
+    assert "stop here" in r.output, r.output
+    assert seen["n_val"] == scored and seen["loaded"] >= scored, seen

@@ -138,6 +138,7 @@ class RidgeSettings(Checked):
     alphas: tuple[float, ...] = Field((1e-3, 1e-2, 1e-1), min_length=1)
     """Grid: ridge penalties."""
     n_val: int = Field(8, ge=1)
+    """Validation prompts the grid is scored on (8 unless given; the command loads up to 24)."""
     n_prompts: int = Field(64, ge=1)
 
 

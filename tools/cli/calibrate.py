@@ -116,7 +116,6 @@ def calibrate(
 
             n_prompts = _whole(overrides, "n_prompts", 64)
             overrides.pop("n_prompts", None)
-            overrides.pop("n_val", None)
             tensors, prof = fit_ridge(pm.producer, pm.consumer, cal[:n_prompts], val, stop_ids=stop, **overrides)
             path = save_profile(prof, tensors)
             r = prof["report"]
