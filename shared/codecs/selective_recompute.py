@@ -28,7 +28,7 @@ def check_blocks(blocks: list, n_layers: int) -> list[tuple[int, int]]:
         if a >= b:
             raise InvalidRequest(f"blocks: block {a}-{b} holds no layer: END is exclusive and must be above FIRST "
                                  f"(e.g. {a}-{a + 1} is layer {a} alone)", param="blocks")
-        if not 0 <= a < b <= n_layers:
+        if a < 0 or b > n_layers:
             raise InvalidRequest(f"blocks: block {a}-{b} is outside the model's {n_layers} layers (FIRST from 0, END "
                                  f"at most {n_layers})", param="blocks")
         out.append((a, b))
