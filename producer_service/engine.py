@@ -203,10 +203,9 @@ class ProducerEngine(Engine):
     def _check_needs(kind: str, ctx: CodecContext, consumer: str) -> None:
         needs = CODECS[kind].requires
         if ("artifacts" in needs and ctx.artifacts is None) or ("profile" in needs and kind not in ctx.profiles):
-            how = f"--method {kind}" if "profile" in needs else ""
+            how = f" --method {kind}" if "profile" in needs else ""  # it said `scd calibrate --pair NAME `
             raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {consumer!r}: run "
-                                     f"`scd calibrate --pair {consumer} {how}`".rstrip() +
-                                     f" and set consumers.{consumer}.artifacts")
+                                     f"`scd calibrate --pair {consumer}{how}` and set consumers.{consumer}.artifacts")
 
     def _usable(self, consumer: str, point: dict) -> bool:
         """Whether ``auto`` may choose this point for this consumer: its method can be made here and

@@ -50,6 +50,18 @@ def stop(procs: list[subprocess.Popen], timeout: float = 20.0) -> None:
             p.wait()
 
 
+class Refused(RuntimeError):
+    """A request the demo's services refused (a prompt over their limit, more tokens than the consumer
+    allows): the method and the services' own error; both services are stopped before it is raised."""
+
+
+def _generate(address: str, method: str, req, **kw):
+    try:
+        return client.generate(address, req, timeout=300, **kw)
+    except grpc.RpcError as e:  # it was a traceback
+        raise Refused(f"{method}: {e.code().name}: {e.details()}") from None
+
+
 def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_tokens: int = 24,
         item_index: int = 0, data_file=None) -> dict:
     """``entry``: the registered pair (``tools.assets.registry.PairEntry``); the question is a test
@@ -84,14 +96,12 @@ def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_toke
         for m in methods:
             print(f"--- {m} ---", flush=True)
             req = client.request(item.prompt_ids, pair, m, max_new_tokens=max_new_tokens)
-            res = client.generate(f"127.0.0.1:{pport}", req, timeout=300,
-                                  on_event=lambda ev: print(ev.text, end="", flush=True))
+            res = _generate(f"127.0.0.1:{pport}", m, req, on_event=lambda ev: print(ev.text, end="", flush=True))
             print()
             results[m] = res
         print("\nthe same prompt again, now that the producer holds its prefill (prefill_cache_entries) ...",
               flush=True)
-        warm = {m: client.generate(f"127.0.0.1:{pport}", client.request(item.prompt_ids, pair, m,
-                                                                          max_new_tokens=1), timeout=300)
+        warm = {m: _generate(f"127.0.0.1:{pport}", m, client.request(item.prompt_ids, pair, m, max_new_tokens=1))
                 for m in methods}
         print(f"\n{'method':<12}{'cold TTFT':>11}{'warm TTFT':>11}{'wire bytes':>13}{'reconstruct':>13}  answer")
         for m, r in results.items():

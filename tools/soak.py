@@ -6,19 +6,24 @@ front (completions and chat, streamed and not), cancellations after the first to
 sent straight to the consumer, and one consumer restart (SIGTERM, start again) early in the run.
 Printed: requests by kind and outcome, p50/p99 TTFT of the successful ones, each service's RSS
 after warm-up, at its peak and at the end. Exit status 1 if a request was lost (no final event and
-no error), an HTTP 5xx came outside the restart window, or a service's final RSS is over 110% of
-its post-warm-up level."""
+no error), an HTTP 5xx came outside the restart window, a well-formed request was refused (a 4xx
+other than 429, a corrupt stream answered other than DATA_LOSS), or a service's final RSS is over
+110% of its post-warm-up level. One request of the traffic's shape goes first: settings the services
+refuse (``--max-new-tokens`` over the consumer's limit) end the run before the traffic starts."""
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import httpx2 as httpx
@@ -28,6 +33,32 @@ from tools.demo import free_port, stop, wait_healthy
 
 METHODS = ("oracle", "raw", "quant", "spectrum", "droidspeak", "ridge", "scd-reuse", "scd")
 KINDS = ("grpc", "http", "http-stream", "chat", "cancel", "corrupt")
+SERVED = {"ok", "http 200", "resource_exhausted", "http 429"}
+"""Outcomes of a well-formed request: answered, or told to come back (the services at capacity)."""
+APART = {"deadline_exceeded", "transport error", "unavailable", "internal", "unknown"}
+"""Outcomes counted apart: lost requests, and server errors (tolerated inside the consumer's restart)."""
+
+
+class SoakError(RuntimeError):
+    """The soak cannot run as asked (the services refused its first request)."""
+
+
+def unexpected(outcomes: collections.Counter) -> list[tuple[str, str]]:
+    """The ``(kind, outcome)`` counts a healthy pair of services does not give: a well-formed request
+    refused (INVALID_ARGUMENT, an HTTP 400, ...; only 429 says come back), a corrupt stream answered
+    other than DATA_LOSS (or unavailable, in the consumer's restart window). The
+    soak's traffic is well-formed, so a refusal is the services' fault or the soak's settings', never
+    a pass (a soak whose every request was refused passed). Lost requests and 5xx are counted apart."""
+    out = []
+    for kind, outcome in sorted(outcomes):
+        base, restart = outcome.removesuffix(" (restart)"), outcome.endswith(" (restart)")
+        if kind == "corrupt":  # must be DATA_LOSS; the consumer is down in the restart window
+            fine = {"data_loss"} | ({"unavailable", "internal", "unknown"} if restart else set())
+        else:
+            fine = SERVED | APART
+        if base not in fine and not (kind != "corrupt" and base.startswith("http 5")):
+            out.append((kind, outcome))
+    return out
 
 
 def rss_mb(pid: int) -> float:
@@ -46,19 +77,25 @@ class Tally:
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     ttft_ms: list[float] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    examples: dict = field(default_factory=dict)  # (kind, outcome) -> the first such answer's message
     server_errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, kind: str, outcome: str, ttft: float | None = None) -> None:
+    def add(self, kind: str, outcome: str, ttft: float | None = None, detail: str = "") -> None:
         with self.lock:
             self.outcomes[(kind, outcome)] += 1
+            if detail:
+                self.examples.setdefault((kind, outcome), detail[:200])
             if ttft is not None:
                 self.ttft_ms.append(ttft)
 
 
 class Soak:
-    def __init__(self, pair: str, minutes: float, clients: int, max_new_tokens: int, seed: int):
+    def __init__(self, pair: str, minutes: float, clients: int, max_new_tokens: int, seed: int,
+                 methods: tuple[str, ...] = METHODS):
+        """``methods``: those the pair can serve (its store's artifacts and profiles), of ``METHODS``."""
         self.pair, self.seconds, self.clients, self.max_new = pair, minutes * 60, clients, max_new_tokens
+        self.methods = methods
         self.rng = random.Random(seed)
         self.tally = Tally()
         self.restarting = threading.Event()  # the consumer is (being) restarted: 503 / UNAVAILABLE expected
@@ -67,20 +104,34 @@ class Soak:
         self.rss: dict[str, dict[str, float]] = {"producer": {}, "consumer": {}}
 
     # ------------------------------------------------------------------ services
+    def _spawn(self, role: str, args: list[str]) -> subprocess.Popen:
+        """``scd serve ROLE`` with its output appended to a log of the run's own (a service that does not
+        start is told with the end of its log: it said only its exit code), request logs off."""
+        env = dict(os.environ, PRODUCER__ACCESS_LOG="false", CONSUMER__ACCESS_LOG="false")
+        with open(self.logdir / f"{role}.log", "ab") as log:
+            return subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", role, *args], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)
+
+    def _ready(self, role: str, port: int) -> None:
+        try:
+            wait_healthy(f"127.0.0.1:{port}", self.procs[role])
+        except (RuntimeError, TimeoutError) as e:
+            lines = (self.logdir / f"{role}.log").read_text(errors="replace").splitlines()
+            tail = "\n".join(line for line in lines if "it/s]" not in line)[-2000:]  # not the progress bars
+            raise SoakError(f"the {role} did not start ({e}); the end of its log:\n{tail}") from None
+
     def _consumer(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "consumer", "--pair", self.pair,
-                                 "--port", str(self.cport)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self._spawn("consumer", ["--pair", self.pair, "--port", str(self.cport)])
 
     def start(self) -> None:
         self.cport, self.pport, self.hport = free_port(), free_port(), free_port()
         self.procs["consumer"] = self._consumer()
-        wait_healthy(f"127.0.0.1:{self.cport}", self.procs["consumer"])
-        self.procs["producer"] = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "serve", "producer", "--port", str(self.pport), "--consumer",
-             f"{self.pair}=127.0.0.1:{self.cport}", "--set", f"methods={list(METHODS)}", "--set",
-             f"http.port={self.hport}", "--set", "prefill_cache_entries=0", "--set", "health_probe_s=1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_healthy(f"127.0.0.1:{self.pport}", self.procs["producer"])
+        self._ready("consumer", self.cport)
+        self.procs["producer"] = self._spawn("producer", [
+            "--port", str(self.pport), "--consumer", f"{self.pair}=127.0.0.1:{self.cport}", "--set",
+            f"methods={list(self.methods)}", "--set", f"default_method={self.methods[-1]}", "--set",
+            f"http.port={self.hport}", "--set", "prefill_cache_entries=0", "--set", "health_probe_s=1"])
+        self._ready("producer", self.pport)
 
     def restart_consumer(self) -> None:
         self.restarting.set()
@@ -111,7 +162,7 @@ class Soak:
     def one(self, kind: str) -> None:
         t = self.tally
         window = self.restarting.is_set()
-        method = self.rng.choice(METHODS)
+        method = self.rng.choice(self.methods)
         try:
             if kind in ("grpc", "cancel"):
                 req = client.request(self._prompt(), consumer=self.pair, method=method, max_new_tokens=self.max_new)
@@ -135,7 +186,7 @@ class Soak:
                 t.lost.append(f"{kind} {method}: no answer within 120 s")
             elif code in ("UNAVAILABLE", "INTERNAL", "UNKNOWN") and not restart:
                 t.server_errors.append(f"{kind} {method}: {code} {e.details()[:200]}")
-            t.add(kind, code.lower() + (" (restart)" if restart else ""))
+            t.add(kind, code.lower() + (" (restart)" if restart else ""), detail=e.details() or "")
             if restart:
                 time.sleep(0.2)  # the consumer is down: do not spin
         except httpx.HTTPError as e:
@@ -163,7 +214,9 @@ class Soak:
             return
         if kind == "http-stream" and r.status_code == 200 and not r.text.rstrip().endswith("[DONE]"):
             self.tally.lost.append(f"{kind} {method}: the event stream did not end with [DONE]")
-        self.tally.add(kind, f"http {r.status_code}", ttft if kind == "http-stream" else None)
+        ok = r.status_code == 200  # a refusal's time is not a TTFT
+        self.tally.add(kind, f"http {r.status_code}", ttft if kind == "http-stream" and ok else None,
+                       detail="" if ok else r.text)
 
     def _corrupt(self) -> None:
         """A raw stream straight to the consumer with one flipped checksum: must be DATA_LOSS."""
@@ -192,7 +245,17 @@ class Soak:
                 self.tally.lost.append("corrupt: a corrupt stream was answered")
                 self.tally.add("corrupt", "answered (wrong)")
             except grpc.RpcError as e:
-                self.tally.add("corrupt", e.code().name.lower() + (" (restart)" if self.restarting.is_set() else ""))
+                self.tally.add("corrupt", e.code().name.lower() + (" (restart)" if self.restarting.is_set() else ""),
+                               detail=e.details() or "")
+
+    def preflight(self) -> None:
+        """One request of the traffic's own shape before the traffic starts (SoakError if refused)."""
+        req = client.request(self._prompt(), consumer=self.pair, method=self.methods[-1], max_new_tokens=self.max_new)
+        try:
+            client.generate(f"127.0.0.1:{self.pport}", req, timeout=300)
+        except grpc.RpcError as e:
+            raise SoakError(f"the services refused the soak's first request ({e.code().name}: {e.details()}); "
+                            "nothing was soaked") from None
 
     def worker(self) -> None:
         weights = (5, 2, 2, 2, 1, 1)
@@ -206,7 +269,16 @@ class Soak:
 
     def run(self) -> dict:
         t_start = time.monotonic()
-        self.start()
+        with tempfile.TemporaryDirectory(prefix="scd-soak-") as logs:
+            self.logdir = Path(logs)
+            try:
+                self.start()
+                self.preflight()
+                return self._traffic(t_start)
+            finally:  # a refusal, a service that did not start, ^C: no service left behind
+                stop(list(self.procs.values()))
+
+    def _traffic(self, t_start: float) -> dict:
         threads = [threading.Thread(target=self.worker, daemon=True) for _ in range(self.clients)]
         for th in threads:
             th.start()
@@ -235,7 +307,8 @@ class Soak:
 
     def report(self, wall_s: float) -> dict:
         t = self.tally
-        print(f"\nscd soak: {self.seconds / 60:.1f} min of traffic, {self.clients} clients, pair {self.pair}")
+        print(f"\nscd soak: {self.seconds / 60:.1f} min of traffic, {self.clients} clients, pair {self.pair}, methods "
+              f"{','.join(self.methods)}")
         print(f"{'kind':12s} {'outcome':32s} {'requests':>9s}")
         for (kind, outcome), n in sorted(t.outcomes.items()):
             print(f"{kind:12s} {outcome:32s} {n:9d}")
@@ -252,13 +325,18 @@ class Soak:
             ok_mem &= within
             print(f"{role:9s} RSS after warm-up {base:7.0f} MB, peak {r.get('peak', 0):7.0f} MB, final {final:7.0f} MB "
                   f"({'within' if within else 'OVER'} 110%)")
+        refused = unexpected(t.outcomes)
         for what in t.lost[:10] + t.server_errors[:10]:
             print("  !", what)
-        passed = not t.lost and not t.server_errors and ok_mem
-        out = {"minutes": self.seconds / 60, "clients": self.clients, "requests": sum(t.outcomes.values()),
+        for kind, outcome in refused[:10]:
+            print(f"  ! {kind} {outcome}: {t.outcomes[kind, outcome]} request(s) refused, as "
+                  f"{t.examples.get((kind, outcome), '(no message)')!r}")
+        passed = not t.lost and not t.server_errors and not refused and ok_mem
+        out = {"minutes": self.seconds / 60, "clients": self.clients, "methods": list(self.methods),
+               "requests": sum(t.outcomes.values()),
                "outcomes": {f"{k}|{o}": n for (k, o), n in sorted(t.outcomes.items())},
                "ttft_p50_ms": q(0.5), "ttft_p99_ms": q(0.99), "rss_mb": self.rss, "lost": len(t.lost),
-               "server_errors": len(t.server_errors), "memory_returned": ok_mem, "passed": passed,
-               "wall_s": round(wall_s, 1)}
+               "server_errors": len(t.server_errors), "refused": len(refused), "memory_returned": ok_mem,
+               "passed": passed, "wall_s": round(wall_s, 1)}
         print(json.dumps(out))
         return out

@@ -220,5 +220,31 @@ def test_data_file_errors_are_clear(tiny_folders, tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr[-2000:]
 
 
+def test_demo_and_soak_say_when_the_services_refuse_their_requests(tiny_folders, tmp_path):
+    """A request the demo's or the soak's own services refuse (more tokens than the consumer allows, a
+    prompt over the producer's limit) ends the command with the services' message, exit 1 and both
+    services stopped: the demo ended in a gRPC traceback; the soak sent minutes of refused requests and
+    passed."""
+    env = user_env(tmp_path)
+    f = tiny_folders
+    scd("pair", "add", "t", "--producer", str(f / "base"), "--consumer-adapter", str(f / "adapter"), env=env)
+    before = set(subprocess.run(["pgrep", "-f", "tools.cli serve"], capture_output=True, text=True).stdout.split())
+    runs = {
+        "demo tokens": (["demo", "--pair", "t", "--data", str(f / "prompts.jsonl"), "--methods", "raw",
+                         "--max-new-tokens", "100000"], env, "this consumer allows at most"),
+        "demo prompt": (["demo", "--pair", "t", "--data", str(f / "prompts.jsonl"), "--methods", "oracle,raw"],
+                        dict(env, PRODUCER__MAX_PROMPT_TOKENS="8"), "max_prompt_tokens"),
+        "soak tokens": (["soak", "--pair", "t", "--minutes", "0.5", "--max-new-tokens", "100000"], env,
+                        "this consumer allows at most"),
+    }
+    for what, (args, run_env, says) in runs.items():
+        r = subprocess.run([str(VENV_BIN / "scd"), *args], env=run_env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1, (what, r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+        assert "error: " in r.stderr and says in r.stderr and "Traceback" not in r.stderr, (what, r.stderr[-3000:])
+        assert "INVALID_ARGUMENT" in r.stderr, (what, r.stderr[-3000:])
+    left = set(subprocess.run(["pgrep", "-f", "tools.cli serve"], capture_output=True, text=True).stdout.split())
+    assert not left - before, "a service was left running"
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

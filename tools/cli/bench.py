@@ -188,11 +188,16 @@ def soak(
 ) -> None:
     """Benchmark: minutes of mixed traffic (every method, HTTP and gRPC, streamed or not, cancellations,
     corrupt frames, a consumer restart) against both services; requests by outcome, TTFT, memory.
-    Exits 1 if a request was lost, a 5xx came outside the restart, or memory did not come back."""
+    Exits 1 if a request was lost or refused, a 5xx came outside the restart, or memory did not come back."""
     setup_logging(False)
-    from tools.soak import Soak
+    from tools.cli.common import entry, served_methods
+    from tools.soak import METHODS, Soak, SoakError
 
-    res = Soak(pair, minutes, clients, max_new_tokens, seed).run()
+    served = served_methods(entry(pair).store_dir(), pair)  # a pair without calibration: the methods it serves
+    try:
+        res = Soak(pair, minutes, clients, max_new_tokens, seed, tuple(m for m in METHODS if m in served)).run()
+    except (SoakError, RuntimeError, TimeoutError) as e:  # refused, or a service that did not start
+        fail(str(e), 1)
     if json_out:
         json_out.write_text(json.dumps(res, indent=2) + "\n")
     if not res["passed"]:

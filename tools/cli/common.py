@@ -136,6 +136,21 @@ def entry(pair: str):
         fail(str(e))
 
 
+def served_methods(store_dir: Path, name: str) -> list[str]:
+    """What a store holds for consumer ``name``: the methods it can serve without more calibration."""
+    methods = ["oracle", "raw", "quant"]
+    check_store(store_dir)
+    if (store_dir / name / "meta.json").exists():
+        methods += ["scd-reuse", "scd"]
+    else:
+        typer.echo(f"note: no SCD artifacts for consumer {name!r} in {store_dir} (run `scd calibrate --pair {name}`): "
+                   "scd is not served", err=True)
+    for kind in ("spectrum", "droidspeak", "ridge"):  # baselines whose profile the store holds
+        if (store_dir / f"{name}.{kind}.json").exists():
+            methods.append(kind)
+    return methods
+
+
 @dataclass
 class PairModels:
     """A registered pair loaded for an offline command: both models, the prompt format, the store."""

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import Verbose, check_store, fail, finite_in, setup_logging
+from tools.cli.common import Verbose, check_store, fail, finite_in, served_methods, setup_logging
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
@@ -84,21 +84,6 @@ def _note_missing_store(store: str | None) -> None:
                    err=True)
 
 
-def _served_methods(store_dir: Path, name: str) -> list[str]:
-    """What a store holds for consumer ``name``: the methods it can serve without more calibration."""
-    methods = ["oracle", "raw", "quant"]
-    check_store(store_dir)
-    if (store_dir / name / "meta.json").exists():
-        methods += ["scd-reuse", "scd"]
-    else:
-        typer.echo(f"note: no SCD artifacts for consumer {name!r} in {store_dir} (run `scd calibrate --pair {name}`): "
-                   "scd is not served", err=True)
-    for kind in ("spectrum", "droidspeak", "ridge"):  # baselines whose profile the store holds
-        if (store_dir / f"{name}.{kind}.json").exists():
-            methods.append(kind)
-    return methods
-
-
 @serve_app.command("consumer")
 def serve_consumer(
     pair: Optional[str] = typer.Option(None, help="A registered pair: its consumer model, name and artifact store."),
@@ -142,7 +127,7 @@ def serve_consumer(
         store_dir = default_store(builtin=True)
     if store_dir is not None:  # serve what the store holds for this consumer, unless the settings list methods
         extra["artifact_store"] = str(store_dir)
-        defaults["methods"] = _served_methods(store_dir, name or "strong")
+        defaults["methods"] = served_methods(store_dir, name or "strong")
     mod = {"path": model, **({"adapter": adapter} if adapter else {})} if model else None
     s = _load_settings(ConsumerSettings, config, set_, defaults, name=name, model=mod, server=server or None, **extra)
     _serve(load_engine, build_server, s)
@@ -325,5 +310,7 @@ def demo(
         d.run(entry(pair), names, max_new_tokens, data_file=data_file)
     except DataFileError as e:  # a prompt of the test split that cannot be asked (the file's line said)
         fail(str(e))
+    except d.Refused as e:
+        fail(f"the services refused the request of method {e}", 1)
     except (RuntimeError, TimeoutError) as e:  # a service that did not start (its own error is printed above)
         fail(str(e), 1)
