@@ -118,3 +118,20 @@ def test_a_model_folder_or_kl_file_named_but_unusable_is_refused_before_the_serv
         said = " ".join(res.output.replace("│", " ").split())
         assert res.exit_code == 2 and says in said, res.output
         assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+
+
+def test_methods_the_pairs_store_cannot_serve_are_named_before_the_services_start(tmp_path):
+    """``scd bench`` on a pair without calibration started the services; the consumer stopped after
+    loading its model, naming only the store's folder. The methods short of artifacts or a profile
+    are named first; the committed store serves every method for the built-in pairs."""
+    from tools.assets.registry import default_store
+    from tools.bench.runner import uncalibrated
+
+    kinds = ("oracle", "raw", "quant", "droidspeak", "ridge", "spectrum", "scd-reuse", "scd")
+    assert uncalibrated(kinds, tmp_path / "none", "p") == ["droidspeak", "ridge", "spectrum", "scd-reuse", "scd"]
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "meta.json").write_text("{}")
+    (tmp_path / "p.droidspeak.json").write_text("{}")
+    (tmp_path / "q.ridge.json").write_text("{}")  # another pair's profile
+    assert uncalibrated(kinds, tmp_path, "p") == ["ridge", "spectrum"]
+    assert uncalibrated(kinds, default_store(builtin=True), "strong") == []

@@ -226,6 +226,21 @@ def _git() -> dict:
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 
+def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
+    """Those of the method ``kinds`` whose SCD artifacts (``<store>/<name>/meta.json``) or profile
+    (``<store>/<name>.<kind>.json``) the store lacks for pair ``name``."""
+    from shared.codecs import CODECS
+
+    folder = Path(store) / name
+
+    def has(kind: str) -> bool:
+        needs = CODECS[kind].requires
+        return (("artifacts" not in needs or (folder / "meta.json").exists())
+                and ("profile" not in needs or (folder.parent / f"{name}.{kind}.json").exists()))
+
+    return [k for k in kinds if not has(k)]
+
+
 def run(cfg: BenchConfig, progress: bool = True) -> dict:
     from shared.codecs import CODECS
 
@@ -241,6 +256,11 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         _kl(cfg)  # a file named but unreadable is refused now, not after the run
     check_privileges()
     pm, cm, adapter, tok, store = _models(cfg)
+    missing = uncalibrated(kinds, store, cfg.pair)
+    if missing:  # the consumer stopped at start-up, after the models loaded, naming the store's folder only
+        raise BenchError(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {store} lacks for "
+                         f"{cfg.pair!r}: run `scd calibrate --pair {cfg.pair}` (scd, scd-reuse) or with `--method "
+                         "KIND` (droidspeak, ridge, spectrum), or leave them out of --methods")
     prompts = Prompts(tok, _vocab(pm))
     prompts.check(*cfg.tokens, model=pm)
     name = cfg.pair
