@@ -465,12 +465,16 @@ def test_a_registry_file_that_cannot_be_used_says_why(home, monkeypatch, tmp_pat
                                      ["bench", "--quick", "--png"], ["drift", "--pair", "nope", "--json"],
                                      ["calibrate", "--pair", "nope", "--out"]])
 def test_outputs_are_checked_before_the_work_that_fills_them(home, tmp_path, command):
-    """An evaluation or benchmark can run for an hour: an output it cannot write is refused first."""
+    """An evaluation or benchmark can run for an hour: an output it cannot write is refused first, naming
+    the file in the way (it said the OS's "File exists")."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     res = CliRunner().invoke(app, [*command, str(blocker / "out")])
-    assert res.exit_code == 2 and "cannot be written" in said(res), res.output
-    if command[-1] != "--out":
+    assert res.exit_code == 2 and f"cannot be written: {blocker} is a file, not a folder" in said(res), res.output
+    if command[-1] == "--out":
+        res = CliRunner().invoke(app, [*command, str(blocker)])
+        assert res.exit_code == 2 and f"{blocker} is a file; give a folder" in said(res), res.output
+    else:
         res = CliRunner().invoke(app, [*command, str(tmp_path)])
         assert res.exit_code == 2 and "is a folder; give a file name" in said(res), res.output
 

@@ -73,6 +73,17 @@ def known_methods(names, allow: tuple[str, ...] = ()) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _not_writable(path: Path, e: OSError) -> typer.BadParameter:
+    """Why ``path`` cannot be written, naming a file that stands where a folder must be (the OS says
+    only "File exists" or "Not a directory")."""
+    for up in (path, *path.parents):
+        if up.exists():
+            if not up.is_dir() and up != path:
+                return typer.BadParameter(f"{path} cannot be written: {up} is a file, not a folder")
+            break
+    return typer.BadParameter(f"{path} cannot be written: {e.strerror or e}")
+
+
 def output_file(path: Path | None) -> Path | None:
     """An option's output file, checked before the work that fills it (a benchmark or evaluation can
     run for an hour): not a folder, its folder made, and writable. Used as a typer callback."""
@@ -88,7 +99,7 @@ def output_file(path: Path | None) -> Path | None:
         if not existed:
             path.unlink()
     except OSError as e:
-        raise typer.BadParameter(f"{path} cannot be written: {e.strerror or e}") from None
+        raise _not_writable(path, e) from None
     return path
 
 
@@ -105,13 +116,15 @@ def output_dir(path: Path | None) -> Path | None:
     """An option's output folder, made and checked writable before the work (``output_file``'s twin)."""
     if path is None:
         return None
+    if path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is a file; give a folder to write into")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".scd-write-check"
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise typer.BadParameter(f"{path} cannot be written: {e.strerror or e}") from None
+        raise _not_writable(path, e) from None
     return path
 
 
