@@ -134,4 +134,7 @@ def test_methods_the_pairs_store_cannot_serve_are_named_before_the_services_star
     (tmp_path / "p.droidspeak.json").write_text("{}")
     (tmp_path / "q.ridge.json").write_text("{}")  # another pair's profile
     assert uncalibrated(kinds, tmp_path, "p") == ["ridge", "spectrum"]
+    assert uncalibrated(("raw", "auto"), tmp_path, "p") == ["auto"]  # a fleet's policy: the operating table
+    (tmp_path / "p.auto.json").write_text("{}")
+    assert uncalibrated(("raw", "auto"), tmp_path, "p") == []
     assert uncalibrated(kinds, default_store(builtin=True), "strong") == []

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.bench.netns import BenchError, Testbed, check_privileges
-from tools.bench.runner import Prompts, _git, _vocab, check_variant, variant
+from tools.bench.runner import Prompts, _git, _vocab, calibrate_hint, check_variant, uncalibrated, variant
 from tools.bench.services import CONSUMER_PORT, PRODUCER_PORT, Services, ServiceSpec
 
 POLICIES = ("oracle", "raw", "scd", "auto")
@@ -131,6 +131,10 @@ def run(cfg: FleetConfig, progress: bool = True) -> dict:
     kinds = tuple(dict.fromkeys([variant(p)[0] for p in cfg.policies]  # and every method auto may choose
                                 + ([pt["method"] for t in tables.values() for pt in t.values()]
                                    if "auto" in cfg.policies else [])))
+    short = {name: m for name, _, _, store in members if (m := uncalibrated(kinds, store, name))}
+    if short:  # a consumer stopped at start-up, after the models loaded, naming its store's folder only
+        raise BenchError("--methods: the pairs' stores lack the calibration of " + "; ".join(
+            f"{', '.join(m)} for {name!r}" for name, m in short.items()) + f": {calibrate_hint()}, or leave them out")
     results, t0 = [], time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="scd-fleet-") as logs, Testbed(cfg.link_mbit) as tb:
         spec = ServiceSpec("fleet", producer, "", str(members[0][3]), kinds, cfg.threads,

@@ -226,15 +226,20 @@ def _git() -> dict:
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 
+def calibrate_hint(name: str = "NAME") -> str:
+    return (f"run `scd calibrate --pair {name}` (scd, scd-reuse) or with `--method KIND` (droidspeak, ridge, "
+            "spectrum, auto)")
+
+
 def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
     """Those of the method ``kinds`` whose SCD artifacts (``<store>/<name>/meta.json``) or profile
-    (``<store>/<name>.<kind>.json``) the store lacks for pair ``name``."""
+    (``<store>/<name>.<kind>.json``; ``auto``'s operating table too) the store lacks for pair ``name``."""
     from shared.codecs import CODECS
 
     folder = Path(store) / name
 
     def has(kind: str) -> bool:
-        needs = CODECS[kind].requires
+        needs = {"profile"} if kind == "auto" else CODECS[kind].requires
         return (("artifacts" not in needs or (folder / "meta.json").exists())
                 and ("profile" not in needs or (folder.parent / f"{name}.{kind}.json").exists()))
 
@@ -259,8 +264,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
     missing = uncalibrated(kinds, store, cfg.pair)
     if missing:  # the consumer stopped at start-up, after the models loaded, naming the store's folder only
         raise BenchError(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {store} lacks for "
-                         f"{cfg.pair!r}: run `scd calibrate --pair {cfg.pair}` (scd, scd-reuse) or with `--method "
-                         "KIND` (droidspeak, ridge, spectrum), or leave them out of --methods")
+                         f"{cfg.pair!r}: {calibrate_hint(cfg.pair)}, or leave them out of --methods")
     prompts = Prompts(tok, _vocab(pm))
     prompts.check(*cfg.tokens, model=pm)
     name = cfg.pair
