@@ -91,6 +91,13 @@ class _Inflight:
     waiters: int = 0
 
 
+def calibrate_hint(consumer: str, how: str = "") -> str:
+    """What makes a consumer's missing artifacts or profile, and how this producer then reads them (at
+    start: it said only to set the folder, which a registered pair's producer finds itself)."""
+    return (f"run `scd calibrate --pair {consumer}{how}`, then restart the producer (it reads a registered "
+            f"pair's store when it starts; for another consumer set consumers.{consumer}.artifacts)")
+
+
 class ProducerEngine(Engine):
     """The base model's side of every request. Torch work runs on the engine's worker thread."""
 
@@ -156,9 +163,8 @@ class ProducerEngine(Engine):
         with _settings_param(req):
             auto = AutoSettings.parse(params) if kind == "auto" else None
         if auto is not None and "auto" not in ctx.profiles:
-            raise PreconditionFailed(f"method 'auto' needs the operating table of consumer {req.consumer!r}: run "
-                                     f"`scd calibrate --pair {req.consumer} --method auto` and set "
-                                     f"consumers.{req.consumer}.artifacts")
+            raise PreconditionFailed(f"method 'auto' needs the operating table of consumer {req.consumer!r}: "
+                                     + calibrate_hint(req.consumer, " --method auto"))
         if auto is None:
             self._check_needs(kind, ctx, req.consumer)
         fmt = self.prompt_format(req.consumer)
@@ -204,8 +210,8 @@ class ProducerEngine(Engine):
         needs = CODECS[kind].requires
         if ("artifacts" in needs and ctx.artifacts is None) or ("profile" in needs and kind not in ctx.profiles):
             how = f" --method {kind}" if "profile" in needs else ""  # it said `scd calibrate --pair NAME `
-            raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {consumer!r}: run "
-                                     f"`scd calibrate --pair {consumer}{how}` and set consumers.{consumer}.artifacts")
+            raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {consumer!r}: "
+                                     + calibrate_hint(consumer, how))
 
     def _usable(self, consumer: str, point: dict) -> bool:
         """Whether ``auto`` may choose this point for this consumer: its method can be made here and

@@ -109,7 +109,7 @@ def test_auto_without_a_table_or_with_bad_settings_is_refused_clearly(svc):
     with pytest.raises(grpc.RpcError) as e:
         _gen(svc, consumer="bare")
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "scd calibrate --pair bare --method auto" in e.value.details()
+    assert "run `scd calibrate --pair bare --method auto`, then restart the producer" in e.value.details()
     for bad, word in (({"link_mbps": "fast"}, "link_mbps"), ({"budget": "0.5"}, "max_kl_vs_raw")):
         with pytest.raises(grpc.RpcError) as e:
             _gen(svc, **bad)

@@ -244,6 +244,12 @@ def test_demo_and_soak_say_when_the_services_refuse_their_requests(tiny_folders,
         assert "INVALID_ARGUMENT" in r.stderr, (what, r.stderr[-3000:])
     left = set(subprocess.run(["pgrep", "-f", "tools.cli serve"], capture_output=True, text=True).stdout.split())
     assert not left - before, "a service was left running"
+    # a method the pair has no calibration for is named before the services start (the demo answered
+    # with the others, then stopped on it)
+    r = subprocess.run([str(VENV_BIN / "scd"), "demo", "--pair", "t", "--data", str(f / "prompts.jsonl")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--methods: scd need(s) the pair's calibration" in r.stderr, r.stderr[-3000:]
+    assert "--- oracle ---" not in r.stdout
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -103,6 +103,8 @@ BAD = [
         "max_new_tokens"),
     Bad("fingerprint mismatch", dict(consumer="picky", method="raw"), grpc.StatusCode.FAILED_PRECONDITION,
         "producer weights"),
+    Bad("a method the pair is not calibrated for", dict(consumer="same", method="scd"),
+        grpc.StatusCode.FAILED_PRECONDITION, "run `scd calibrate --pair same`, then restart the producer"),
 ]
 
 

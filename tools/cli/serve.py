@@ -304,10 +304,17 @@ def demo(
 
     names = known_methods(name_list(methods))  # before two services start (the producer refused a bad one)
     check_data(data_file, "test")
+    from tools.bench.runner import calibrate_hint, uncalibrated
+
+    e = entry(pair)
+    missing = uncalibrated(names, e.store_dir(), pair)
+    if missing:  # the demo answered with the others first, then stopped on the first of these
+        fail(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {e.store_dir()} lacks for "
+             f"{pair!r}: {calibrate_hint(pair)}, or leave them out (--methods oracle,raw,quant needs none)")
     from tools.data.user import DataFileError
 
     try:
-        d.run(entry(pair), names, max_new_tokens, data_file=data_file)
+        d.run(e, names, max_new_tokens, data_file=data_file)
     except DataFileError as e:  # a prompt of the test split that cannot be asked (the file's line said)
         fail(str(e))
     except d.Refused as e:
