@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, P
 from shared.model.hf_adapter import PrefillState
 from shared.model.prompt import PromptFormat
 from shared.rpc.wire import PROTOCOL_VERSION
+
+log = logging.getLogger("scd.producer")
 
 
 def check_ids(request_id: str) -> None:
@@ -114,6 +117,13 @@ class ProducerEngine(Engine):
         self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
         self.links = LinkEstimator()  # per consumer: the link rate auto plans for
         self._servable: dict[tuple[str, str], bool] = {}  # (consumer, point label) -> auto may choose it
+        for name in settings.consumers:  # said at start: a request for them is refused until a recalibration
+            short = [m for m in settings.methods if m not in self.servable(name)]
+            if short:
+                log.warning("consumer %r has no calibration for %s: requests for %s are refused; %s.%s", name,
+                            ", ".join(short), "them" if len(short) > 1 else "it", calibrate_hint(name),
+                            f" The default method {settings.default_method!r} is one of them: a request that names "
+                            "no method is refused too" if settings.default_method in short else "")
 
     def _format(self, tokenizer: str | None) -> PromptFormat | None:
         """How text prompts for one consumer become ids: its pair's tokenizer and chat template (the
@@ -162,11 +172,8 @@ class ProducerEngine(Engine):
         ctx = self.ctxs[req.consumer]
         with _settings_param(req):
             auto = AutoSettings.parse(params) if kind == "auto" else None
-        if auto is not None and "auto" not in ctx.profiles:
-            raise PreconditionFailed(f"method 'auto' needs the operating table of consumer {req.consumer!r}: "
-                                     + calibrate_hint(req.consumer, " --method auto"))
-        if auto is None:
-            self._check_needs(kind, ctx, req.consumer)
+        if kind not in self.servable(req.consumer):
+            self._refuse_uncalibrated(kind, req.consumer, defaulted=not req.method)
         fmt = self.prompt_format(req.consumer)
         if isinstance(req.prompt, str):
             if not req.prompt.strip():
@@ -205,13 +212,28 @@ class ProducerEngine(Engine):
             method = make_method(kind, ctx, params)
         return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address, choice)
 
-    @staticmethod
-    def _check_needs(kind: str, ctx: CodecContext, consumer: str) -> None:
-        needs = CODECS[kind].requires
-        if ("artifacts" in needs and ctx.artifacts is None) or ("profile" in needs and kind not in ctx.profiles):
-            how = f" --method {kind}" if "profile" in needs else ""  # it said `scd calibrate --pair NAME `
-            raise PreconditionFailed(f"method {kind!r} needs calibration artifacts for consumer {consumer!r}: "
-                                     + calibrate_hint(consumer, how))
+    def servable(self, consumer: str) -> list[str]:
+        """The offered methods whose artifacts or profile (``auto``: its operating table) this producer
+        holds for ``consumer``."""
+        ctx = self.ctxs[consumer]
+
+        def has(kind: str) -> bool:
+            needs = {"profile"} if kind == "auto" else CODECS[kind].requires
+            return ("artifacts" not in needs or ctx.artifacts is not None) and ("profile" not in needs
+                                                                               or kind in ctx.profiles)
+
+        return [m for m in self.settings.methods if has(m)]
+
+    def _refuse_uncalibrated(self, kind: str, consumer: str, defaulted: bool) -> None:
+        what = "the operating table" if kind == "auto" else "calibration artifacts"
+        how = "" if kind in ("scd", "scd-reuse") else f" --method {kind}"  # it said `scd calibrate --pair NAME `
+        if defaulted:  # the request named no method: the client can name one the consumer is served
+            raise PreconditionFailed(
+                f"the request names no method and the producer's default, {kind!r}, needs {what} for consumer "
+                f"{consumer!r}: name a method it is served ({', '.join(self.servable(consumer))}), or "
+                + calibrate_hint(consumer, how), param="method")
+        raise PreconditionFailed(f"method {kind!r} needs {what} for consumer {consumer!r}: "
+                                 + calibrate_hint(consumer, how), param="method")
 
     def _usable(self, consumer: str, point: dict) -> bool:
         """Whether ``auto`` may choose this point for this consumer: its method can be made here and

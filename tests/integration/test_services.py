@@ -164,3 +164,31 @@ def test_corrupt_streams_are_refused_and_the_consumer_keeps_serving(services, ba
         assert ei.value.code() == code, f"{info}: {ei.value.code()} {ei.value.details()}"
         ok = list(stub.Transfer(iter(_frames(base)), timeout=30))
         assert len(ok) == 2 and ok[-1].finish_reason == "length"
+
+
+def test_a_producer_says_which_methods_an_uncalibrated_consumer_is_refused_and_what_it_is_served(base, caplog):
+    """A pair registered and served before its calibration: every request that named no method was
+    refused (the default is scd) with no word at start, and the refusal did not say what would be
+    served."""
+    from shared.domain import GenerateRequest
+    from shared.errors import PreconditionFailed
+
+    s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0},
+                              consumers={"fresh": {"address": "127.0.0.1:1"}})
+    with caplog.at_level("WARNING", logger="scd.producer"):
+        engine = ProducerEngine(s, base)
+    said = caplog.text
+    assert "consumer 'fresh' has no calibration for scd-reuse, scd, auto: requests for them are refused" in said
+    assert "The default method 'scd' is one of them" in said and "run `scd calibrate --pair fresh`" in said
+    assert engine.servable("fresh") == ["oracle", "raw", "quant"]
+    with pytest.raises(PreconditionFailed) as e:
+        engine.prepare(GenerateRequest(prompt=tuple(PROMPT), consumer="fresh"))
+    assert e.value.param == "method"
+    assert str(e.value).startswith("the request names no method and the producer's default, 'scd', needs "
+                                   "calibration artifacts for consumer 'fresh': name a method it is served "
+                                   "(oracle, raw, quant), or run `scd calibrate --pair fresh`, then restart")
+    with pytest.raises(PreconditionFailed, match="^method 'auto' needs the operating table for consumer 'fresh': "
+                                                 "run `scd calibrate --pair fresh --method auto`, then restart"):
+        engine.prepare(GenerateRequest(prompt=tuple(PROMPT), consumer="fresh", method="auto"))
+    served = engine.prepare(GenerateRequest(prompt=tuple(PROMPT), consumer="fresh", method="quant"))
+    assert served.method.kind == "quant"
