@@ -445,6 +445,23 @@ def test_calibrate_checks_each_methods_settings_before_loading_models(monkeypatc
     assert "unexpected keyword" not in r.output and "AssertionError" not in repr(r.exception)
 
 
+def test_calibrate_names_every_setting_the_pairs_model_cannot_take_before_loading_it(monkeypatch):
+    """A model smaller than the defaults assume failed on one setting per run, each after loading."""
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+    from tools.cli import calibrate as calibrate_cli
+
+    monkeypatch.setattr(calibrate_cli, "pair_models", lambda *a, **k: pytest.fail("the models loaded"))
+    r = CliRunner().invoke(app, ["calibrate", "--pair", "strong", "--set", "block_layers=30", "--set", "r_kv=400",
+                                 "--set", "r_h=600"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "pair 'strong' (30 layers, K/V width 192, hidden size 576)" in said, r.output
+    for line in ("block_layers=30 would recompute all 30 layers", "r_kv=400 is larger than the 384 numbers it codes",
+                 "r_h=600 is larger than the 576 numbers it codes; choose r_h <= 576"):
+        assert line in said, r.output
+
+
 def test_a_baselines_checked_settings_reach_it_typed():
     from tools.cli.calibrate import _method_settings
 

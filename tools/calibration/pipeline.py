@@ -141,6 +141,26 @@ class _Run:
         return out
 
 
+def model_problems(cfg: CalibrationSettings, n_layers: int, kv_dim: int, hidden_size: int) -> list[str]:
+    """The settings that do not fit a model of these sizes (its layers, K/V width, residual width),
+    one line each: every one at once (a model smaller than the defaults assume failed on one per run)."""
+    m = kv_dim
+    ranks = (("r_kv", cfg.r_kv, 2 * m),) if cfg.reuse_code == "joint" else (("r_k", cfg.r_k, m), ("r_v", cfg.r_v, m))
+    out = []
+    if cfg.block_layers >= n_layers:
+        out.append(f"block_layers={cfg.block_layers} would recompute all {n_layers} layers (that is the Oracle); "
+                   f"choose block_layers < {n_layers}, or 0 for no PATCH block")
+    for name, r, width in (*ranks, ("r_h", cfg.r_h, hidden_size)):
+        if r > width:
+            out.append(f"{name}={r} is larger than the {width} numbers it codes; choose {name} <= {width}")
+    return out
+
+
+def not_fitting(problems: list[str]) -> str:
+    return problems[0] if len(problems) == 1 else "settings that do not fit the model:\n" + "\n".join(
+        f"  {p}" for p in problems)
+
+
 def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[list[int]],
               val_prompts: list[tuple], cfg: CalibrationSettings, out: str,
               data_hash: str = "", progress: bool = True, stop_ids: Sequence[int] = (),
@@ -149,13 +169,9 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     the kind of text of each validation prompt (the fallback bound holds per kind)."""
     torch.manual_seed(cfg.seed)
     L, m = producer.n_layers, producer.kv_dim
-    ranks = (("r_kv", cfg.r_kv, 2 * m),) if cfg.reuse_code == "joint" else (("r_k", cfg.r_k, m), ("r_v", cfg.r_v, m))
-    if cfg.block_layers >= L:
-        raise ValueError(f"block_layers={cfg.block_layers} would recompute all {L} layers (that is the Oracle); "
-                         f"choose block_layers < {L}, or 0 for no PATCH block")
-    for name, r, width in (*ranks, ("r_h", cfg.r_h, producer.hidden_size)):
-        if r > width:
-            raise ValueError(f"{name}={r} is larger than the {width} numbers it codes; choose {name} <= {width}")
+    problems = model_problems(cfg, L, m, producer.hidden_size)
+    if problems:
+        raise ValueError(not_fitting(problems))
     report: dict = {}
     rss = PeakRSS()
     stage = timed_stages(report, rss)

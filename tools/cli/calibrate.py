@@ -15,6 +15,7 @@ from tools.cli.common import (
     DType,
     calibration_prompts,
     check_data,
+    entry,
     fail,
     output_dir,
     pair_models,
@@ -66,6 +67,14 @@ def calibrate(
         fail(str(e))
     check_data(data_file, "validation", *(() if method in ("droidspeak", "spectrum", "auto", "fallback") else
                                           ("calibration",)))
+    if cfg is not None:  # sizes the registry knows: every setting the model cannot take, before it loads
+        from tools.calibration.pipeline import model_problems, not_fitting
+
+        e = entry(pair)
+        problems = model_problems(cfg, e.n_layers, e.n_kv_heads * e.head_dim, e.hidden_size)
+        if problems:
+            fail(f"pair {pair!r} ({e.n_layers} layers, K/V width {e.n_kv_heads * e.head_dim}, hidden size "
+                 f"{e.hidden_size}): {not_fitting(problems)}\nset others with --set KEY=VALUE")
     pm = pair_models(pair, device, dtype)
     out = pm.store(out)
     stop = pm.fmt.stop_ids
