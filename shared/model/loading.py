@@ -274,10 +274,15 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
         raise ModelFolderError(f"model folder {path}: its weights do not match its config.json ({_last_line(e)}); "
                                "the config and the weights must come from the same save_pretrained") from None
     if adapter is not None:
+        import warnings
+
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(model, adapter, use_safetensors=True).merge_and_unload()
+            with warnings.catch_warnings():  # every adapter load printed a FutureWarning of peft's use of
+                # transformers (`is_gradient_checkpointing` is deprecated), nothing a user can act on
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                model = PeftModel.from_pretrained(model, adapter, use_safetensors=True).merge_and_unload()
         except (SafetensorError, OSError) as e:
             raise ModelFolderError(f"adapter {adapter}: its weights do not load ({e}); copy or save them "
                                    "again") from None
