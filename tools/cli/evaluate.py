@@ -17,6 +17,7 @@ from tools.cli.common import (
     Verbose,
     calibration_prompts,
     check_data,
+    entry,
     fail,
     items,
     known_methods,
@@ -165,6 +166,16 @@ def eval_(
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
     check_data(data_file, "test")
+    from tools.bench.runner import calibrate_hint, uncalibrated
+
+    where = store_dir or entry(pair).store_dir()
+    own = {"droidspeak": "blocks", "spectrum": "int4"}  # a setting given in place of the profile's choice
+    needed = [kind for lab, (kind, _) in variants.items()
+              if kind not in own or (settings[lab] or {}).get(own[kind], "auto") == "auto"]
+    missing = uncalibrated(list(dict.fromkeys(needed)), where, pair)
+    if missing:  # before the models load (it was after, one method at a time)
+        fail(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {where} lacks for {pair!r}: "
+             f"{calibrate_hint(pair)}, or leave them out of --methods")
     pm = pair_models(pair, device, dtype)
     store_dir = pm.store(store_dir)
     producer, consumer = pm.producer, pm.consumer
@@ -190,9 +201,7 @@ def eval_(
         try:
             prof = store.load_profile(store_dir, pair, kind, pfp, cfp)
         except SCDError as e:
-            explicit = (kind == "droidspeak" and params.get(kind, {}).get("blocks", "auto") != "auto") or \
-                       (kind == "spectrum" and params.get(kind, {}).get("int4", "auto") != "auto")
-            if explicit:
+            if kind not in needed:  # every label of it gives the setting the profile would choose
                 continue
             fail(str(e))
         pctx.profiles[kind] = cctx.profiles[kind] = prof
