@@ -246,6 +246,16 @@ def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
     return [k for k in kinds if not has(k)]
 
 
+def calibration_missing(kinds, store: str | Path, name: str) -> str | None:
+    """What to tell of the ``--methods`` whose calibration the store lacks for pair ``name`` (the
+    commands check before any model loads or service starts); None when it has all of them."""
+    missing = uncalibrated(kinds, store, name)
+    if not missing:
+        return None
+    return (f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {store} lacks for {name!r}: "
+            f"{calibrate_hint(name)}, or leave them out of --methods")
+
+
 def run(cfg: BenchConfig, progress: bool = True) -> dict:
     from shared.codecs import CODECS
 
@@ -261,10 +271,9 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         _kl(cfg)  # a file named but unreadable is refused now, not after the run
     check_privileges()
     pm, cm, adapter, tok, store = _models(cfg)
-    missing = uncalibrated(kinds, store, cfg.pair)
-    if missing:  # the consumer stopped at start-up, after the models loaded, naming the store's folder only
-        raise BenchError(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {store} lacks for "
-                         f"{cfg.pair!r}: {calibrate_hint(cfg.pair)}, or leave them out of --methods")
+    why = calibration_missing(kinds, store, cfg.pair)
+    if why:  # the consumer stopped at start-up, after the models loaded, naming the store's folder only
+        raise BenchError(why)
     prompts = Prompts(tok, _vocab(pm))
     prompts.check(*cfg.tokens, model=pm)
     name = cfg.pair

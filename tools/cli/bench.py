@@ -40,6 +40,12 @@ def bench_overlap(
     from tools.eval import overlap
 
     names = known_methods(name_list(methods))
+    if not tiny:  # before the models load
+        from tools.bench.runner import calibration_missing
+        from tools.cli.common import entry
+
+        if why := calibration_missing(names, entry(pair).store_dir(), pair):
+            fail(why)
     try:
         res = overlap.run(pair, tokens, names, iters, tiny)
     except grpc.RpcError as e:  # a request the services refused (a prompt over their limit, say)

@@ -166,16 +166,14 @@ def eval_(
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
     check_data(data_file, "test")
-    from tools.bench.runner import calibrate_hint, uncalibrated
+    from tools.bench.runner import calibration_missing
 
     where = store_dir or entry(pair).store_dir()
     own = {"droidspeak": "blocks", "spectrum": "int4"}  # a setting given in place of the profile's choice
     needed = [kind for lab, (kind, _) in variants.items()
               if kind not in own or (settings[lab] or {}).get(own[kind], "auto") == "auto"]
-    missing = uncalibrated(list(dict.fromkeys(needed)), where, pair)
-    if missing:  # before the models load (it was after, one method at a time)
-        fail(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {where} lacks for {pair!r}: "
-             f"{calibrate_hint(pair)}, or leave them out of --methods")
+    if why := calibration_missing(list(dict.fromkeys(needed)), where, pair):  # before the models load
+        fail(why)
     pm = pair_models(pair, device, dtype)
     store_dir = pm.store(store_dir)
     producer, consumer = pm.producer, pm.consumer

@@ -304,13 +304,11 @@ def demo(
 
     names = known_methods(name_list(methods))  # before two services start (the producer refused a bad one)
     check_data(data_file, "test")
-    from tools.bench.runner import calibrate_hint, uncalibrated
+    from tools.bench.runner import calibration_missing
 
     e = entry(pair)
-    missing = uncalibrated(names, e.store_dir(), pair)
-    if missing:  # the demo answered with the others first, then stopped on the first of these
-        fail(f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {e.store_dir()} lacks for "
-             f"{pair!r}: {calibrate_hint(pair)}, or leave them out (--methods oracle,raw,quant needs none)")
+    if why := calibration_missing(names, e.store_dir(), pair):  # it answered with the others, then stopped
+        fail(f"{why} (oracle, raw and quant need none)")
     from tools.data.user import DataFileError
 
     try:
