@@ -94,3 +94,12 @@ def tiny_ridge(tiny_pair):
     tensors, payload = calibrate(producer, consumer, prompts, val, top_ks=(1, 2), alphas=(1e-2,), n_val=4,
                                  progress=False)
     return {**payload, "tensors": tensors}
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    """A registry and a home of the test's own (SCD_HOME, SCD_PAIRS under tmp_path; no SCD_STORE)."""
+    monkeypatch.setenv("SCD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SCD_PAIRS", str(tmp_path / "home" / "pairs.json"))
+    monkeypatch.delenv("SCD_STORE", raising=False)
+    return tmp_path

@@ -20,14 +20,6 @@ def said(res) -> str:
     return " ".join(res.output.replace("│", " ").split())
 
 
-@pytest.fixture()
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("SCD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("SCD_PAIRS", str(tmp_path / "home" / "pairs.json"))
-    monkeypatch.delenv("SCD_STORE", raising=False)
-    return tmp_path
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """A tiny llama producer and its fine-tune as two operator folders, a LoRA adapter folder on the

@@ -19,10 +19,7 @@ def said(res) -> str:
 
 
 @pytest.fixture()
-def fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv("SCD_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("SCD_PAIRS", str(tmp_path / "home" / "pairs.json"))
-    monkeypatch.delenv("SCD_STORE", raising=False)
+def fresh(home, tmp_path):
     base, tok = tiny_model("llama", n_layers=2), tiny_tokenizer()
     p, c = save_pretrained(base, tmp_path / "base", tok), save_pretrained(perturbed(base, 0.2), tmp_path / "ft", tok)
     res = CliRunner().invoke(app, ["pair", "add", "fresh", "--producer", str(p), "--consumer", str(c), "--store",
