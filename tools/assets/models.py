@@ -42,12 +42,28 @@ def consumer_dir(pair: str) -> Path:
     return models_dir() / f"{PRODUCER}-{pair}"
 
 
+def _files(path: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != _DONE}
+
+
 def is_ready(path: Path) -> bool:
-    return (path / _DONE).exists()
+    """Prepared and whole: its marker, and every file the marker lists at its size (a prepared folder
+    whose weights were removed or cut short counted as ready, and `scd assets` failed on it instead of
+    making it again). A marker of an earlier build lists no files: the config and weights must exist."""
+    marker = path / _DONE
+    if not marker.exists():
+        return False
+    try:
+        listed = json.loads(marker.read_text()).get("files")
+    except (ValueError, AttributeError):
+        listed = None
+    if not isinstance(listed, dict):
+        return (path / "config.json").exists() and any(path.glob("model*.safetensors"))
+    return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in listed.items())
 
 
 def _finish(tmp: Path, final: Path) -> None:
-    (tmp / _DONE).write_text("ok\n")
+    (tmp / _DONE).write_text(json.dumps({"files": _files(tmp)}, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

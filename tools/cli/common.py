@@ -204,7 +204,8 @@ def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairM
         consumer = load_model(folder, device, td, adapter)
         tok = load_tokenizer(e.tokenizer)
     except (SCDError, OSError) as err:
-        fail(f"pair {pair!r}: {err}")
+        fail(f"pair {pair!r}: {err}" + ("; it is a built-in pair: `scd assets` makes its folders again" if e.builtin
+                                        else ""))
     for side, model, want in (("producer", producer, e.producer_fingerprint), ("consumer", consumer,
                                                                                e.consumer_fingerprint)):
         if model.scd_fingerprint != want:
