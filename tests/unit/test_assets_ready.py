@@ -36,3 +36,25 @@ def test_an_earlier_builds_marker_needs_the_config_and_weights(tmp_path):
     (final / "model.safetensors").unlink()
     assert not is_ready(final)
     assert not is_ready(tmp_path / "never-made")
+
+
+def test_the_data_splits_are_ready_while_every_listed_file_matches_its_sha256(tmp_path):
+    """A split file removed or edited counted as ready: `scd assets` kept it, while loading the split
+    said to run `scd assets`."""
+    import hashlib
+    import json
+
+    from tools import data
+
+    body = '{"id": "q1"}\n'
+    (tmp_path / "qa_test.jsonl").write_text(body)
+    manifest = {"format": data.FORMAT, "files": {"qa_test.jsonl": {"sha256": hashlib.sha256(body.encode()).hexdigest(),
+                                                                   "n": 1}}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert data.is_ready(tmp_path)
+    (tmp_path / "qa_test.jsonl").write_text(body + body)
+    assert not data.is_ready(tmp_path)
+    (tmp_path / "qa_test.jsonl").unlink()
+    assert not data.is_ready(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert not data.is_ready(tmp_path)

@@ -190,8 +190,20 @@ def build(tok, out: Path | None = None) -> dict:
 
 
 def is_ready(out: Path | None = None) -> bool:
-    path = (out or data_dir()) / "manifest.json"
-    return path.exists() and json.loads(path.read_text()).get("format") == FORMAT
+    """Built by this format and whole: every file the manifest lists, at its sha256 (a split file
+    removed or edited counted as ready, so `scd assets` kept it while loading it said to run
+    `scd assets`)."""
+    root = out or data_dir()
+    path = root / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return False
+    files = manifest.get("files") or {}
+    return bool(files) and all((root / name).is_file() and hashlib.sha256((root / name).read_bytes()).hexdigest()
+                               == rec.get("sha256") for name, rec in files.items())
 
 
 def load(kind: Literal["qa", "lm"], split: Split, n: int | None = None, root: Path | None = None,
