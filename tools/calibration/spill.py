@@ -11,6 +11,8 @@ prompt's layer, not with the validation set.
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import tempfile
 import weakref
@@ -23,9 +25,41 @@ from safetensors.torch import save_file
 
 from shared.model.hf_adapter import PrefillState
 
+log = logging.getLogger("scd.calibration")
+
+
+PREFIX = "scd-spill-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_orphans(parent: Path) -> list[Path]:
+    """Remove the spill folders under ``parent`` whose process (the id in their name) is gone; the
+    folders removed, each logged."""
+    gone = []
+    for d in parent.glob(f"{PREFIX}*-*"):
+        pid = d.name[len(PREFIX):].split("-", 1)[0]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            log.warning("removed %s: the spill folder of calibration process %s, which ended without removing it",
+                        d, pid)
+            gone.append(d)
+    return gone
+
 
 class SpillDir:
-    """A temporary folder that is removed when the object is garbage-collected (or at exit)."""
+    """A temporary folder that is removed when the object is garbage-collected (or at exit). Its name
+    holds this process's id: a calibration killed before it could remove its own (the OOM killer,
+    SIGKILL) left gigabytes behind for good; the next one removes the folders of processes that are
+    gone."""
 
     def __init__(self, parent: str | Path | None = None):
         if parent is None:  # beside the models (the large-assets disk), not in a possibly small /tmp
@@ -33,7 +67,8 @@ class SpillDir:
 
             parent = scd_home() / "spill"
         Path(parent).mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix="scd-spill-", dir=parent))
+        remove_orphans(Path(parent))
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
 
     def cleanup(self) -> None:
