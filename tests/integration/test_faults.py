@@ -300,8 +300,8 @@ def test_a_consumer_going_down_is_a_warning_one_not_up_yet_at_start_is_not(base,
     def make_producer(addresses):
         s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
                                   consumers={"up": {"address": addresses["up"]}, "later": {"address": nobody}},
-                                  security=SEC, health_probe_s=0)
-        return ProducerEngine(s, base, tok)
+                                  security=SEC, health_probe_s=0, methods=["oracle", "raw"])  # no calibration
+        return ProducerEngine(s, base, tok)  # needed: no start-up line of that
 
     with InProcessServices([consumer("up", base)], make_producer) as s, caplog.at_level(logging.INFO):
         s._run(s._servicer.probe_once())
