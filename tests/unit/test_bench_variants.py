@@ -124,8 +124,7 @@ def test_methods_the_pairs_store_cannot_serve_are_named_before_the_services_star
     """``scd bench`` on a pair without calibration started the services; the consumer stopped after
     loading its model, naming only the store's folder. The methods short of artifacts or a profile
     are named first; the committed store serves every method for the built-in pairs."""
-    from tools.assets.registry import default_store
-    from tools.bench.runner import uncalibrated
+    from tools.assets.registry import default_store, uncalibrated
 
     kinds = ("oracle", "raw", "quant", "droidspeak", "ridge", "spectrum", "scd-reuse", "scd")
     assert uncalibrated(kinds, tmp_path / "none", "p") == ["droidspeak", "ridge", "spectrum", "scd-reuse", "scd"]

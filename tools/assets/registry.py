@@ -363,3 +363,34 @@ def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
         out[kind] = {"path": str(f), "pinned": body.get("producer_fingerprint") == entry.producer_fingerprint and
                      body.get("consumer_fingerprint") == entry.consumer_fingerprint}
     return out
+
+
+def calibrate_hint(name: str = "NAME") -> str:
+    """The commands that make a pair's SCD artifacts and each profile."""
+    return (f"run `scd calibrate --pair {name}` (scd, scd-reuse) or with `--method KIND` (droidspeak, ridge, "
+            "spectrum, auto)")
+
+
+def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
+    """Those of the method ``kinds`` whose SCD artifacts (``<store>/<name>/meta.json``) or profile
+    (``<store>/<name>.<kind>.json``; ``auto``'s operating table too) the store lacks for pair ``name``."""
+    from shared.codecs import CODECS
+
+    folder = Path(store) / name
+
+    def has(kind: str) -> bool:
+        needs = {"profile"} if kind == "auto" else CODECS[kind].requires
+        return (("artifacts" not in needs or (folder / "meta.json").exists())
+                and ("profile" not in needs or (folder.parent / f"{name}.{kind}.json").exists()))
+
+    return [k for k in kinds if not has(k)]
+
+
+def calibration_missing(kinds, store: str | Path, name: str) -> str | None:
+    """What to tell of the ``--methods`` whose calibration the store lacks for pair ``name`` (the
+    commands check before any model loads or service starts); None when it has all of them."""
+    missing = uncalibrated(kinds, store, name)
+    if not missing:
+        return None
+    return (f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {store} lacks for {name!r}: "
+            f"{calibrate_hint(name)}, or leave them out of --methods")

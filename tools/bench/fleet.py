@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.assets.registry import calibrate_hint, uncalibrated
 from tools.bench.netns import BenchError, Testbed, check_privileges
-from tools.bench.runner import Prompts, _git, _vocab, calibrate_hint, check_variant, uncalibrated, variant
+from tools.bench.runner import Prompts, _git, _vocab, check_variant, variant
 from tools.bench.services import CONSUMER_PORT, PRODUCER_PORT, Services, ServiceSpec
 
 POLICIES = ("oracle", "raw", "scd", "auto")

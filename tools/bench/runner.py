@@ -226,36 +226,6 @@ def _git() -> dict:
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 
-def calibrate_hint(name: str = "NAME") -> str:
-    return (f"run `scd calibrate --pair {name}` (scd, scd-reuse) or with `--method KIND` (droidspeak, ridge, "
-            "spectrum, auto)")
-
-
-def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
-    """Those of the method ``kinds`` whose SCD artifacts (``<store>/<name>/meta.json``) or profile
-    (``<store>/<name>.<kind>.json``; ``auto``'s operating table too) the store lacks for pair ``name``."""
-    from shared.codecs import CODECS
-
-    folder = Path(store) / name
-
-    def has(kind: str) -> bool:
-        needs = {"profile"} if kind == "auto" else CODECS[kind].requires
-        return (("artifacts" not in needs or (folder / "meta.json").exists())
-                and ("profile" not in needs or (folder.parent / f"{name}.{kind}.json").exists()))
-
-    return [k for k in kinds if not has(k)]
-
-
-def calibration_missing(kinds, store: str | Path, name: str) -> str | None:
-    """What to tell of the ``--methods`` whose calibration the store lacks for pair ``name`` (the
-    commands check before any model loads or service starts); None when it has all of them."""
-    missing = uncalibrated(kinds, store, name)
-    if not missing:
-        return None
-    return (f"--methods: {', '.join(missing)} need(s) the pair's calibration, which {store} lacks for {name!r}: "
-            f"{calibrate_hint(name)}, or leave them out of --methods")
-
-
 def run(cfg: BenchConfig, progress: bool = True) -> dict:
     from shared.codecs import CODECS
 
@@ -271,6 +241,8 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         _kl(cfg)  # a file named but unreadable is refused now, not after the run
     check_privileges()
     pm, cm, adapter, tok, store = _models(cfg)
+    from tools.assets.registry import calibration_missing
+
     why = calibration_missing(kinds, store, cfg.pair)
     if why:  # the consumer stopped at start-up, after the models loaded, naming the store's folder only
         raise BenchError(why)

@@ -41,7 +41,7 @@ def bench_overlap(
 
     names = known_methods(name_list(methods))
     if not tiny:  # before the models load
-        from tools.bench.runner import calibration_missing
+        from tools.assets.registry import calibration_missing
         from tools.cli.common import entry
 
         if why := calibration_missing(names, entry(pair).store_dir(), pair):

@@ -151,17 +151,15 @@ def entry(pair: str):
 
 def served_methods(store_dir: Path, name: str) -> list[str]:
     """What a store holds for consumer ``name``: the methods it can serve without more calibration."""
-    methods = ["oracle", "raw", "quant"]
+    from tools.assets.registry import uncalibrated
+
     check_store(store_dir)
-    if (store_dir / name / "meta.json").exists():
-        methods += ["scd-reuse", "scd"]
-    else:
+    kinds = ("oracle", "raw", "quant", "scd-reuse", "scd", "spectrum", "droidspeak", "ridge")
+    short = uncalibrated(kinds, store_dir, name)
+    if "scd" in short:
         typer.echo(f"note: no SCD artifacts for consumer {name!r} in {store_dir} (run `scd calibrate --pair {name}`): "
                    "scd is not served", err=True)
-    for kind in ("spectrum", "droidspeak", "ridge"):  # baselines whose profile the store holds
-        if (store_dir / f"{name}.{kind}.json").exists():
-            methods.append(kind)
-    return methods
+    return [k for k in kinds if k not in short]
 
 
 @dataclass

@@ -166,7 +166,7 @@ def eval_(
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
     check_data(data_file, "test")
-    from tools.bench.runner import calibration_missing
+    from tools.assets.registry import calibration_missing
 
     where = store_dir or entry(pair).store_dir()
     own = {"droidspeak": "blocks", "spectrum": "int4"}  # a setting given in place of the profile's choice

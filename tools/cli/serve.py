@@ -304,7 +304,7 @@ def demo(
 
     names = known_methods(name_list(methods))  # before two services start (the producer refused a bad one)
     check_data(data_file, "test")
-    from tools.bench.runner import calibration_missing
+    from tools.assets.registry import calibration_missing
 
     e = entry(pair)
     if why := calibration_missing(names, e.store_dir(), pair):  # it answered with the others, then stopped
