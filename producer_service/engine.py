@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from producer_service.settings import ProducerSettings
 from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
-from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, resolve_variant
+from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, requires, resolve_variant
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
 from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
@@ -117,6 +117,7 @@ class ProducerEngine(Engine):
         self.formats = {name: self._format(ep.tokenizer) for name, ep in settings.consumers.items()}
         self.links = LinkEstimator()  # per consumer: the link rate auto plans for
         self._servable: dict[tuple[str, str], bool] = {}  # (consumer, point label) -> auto may choose it
+        self._served = {name: self._holds(name) for name in settings.consumers}  # the contexts are fixed
         for name in settings.consumers:  # said at start: a request for them is refused until a recalibration
             short = [m for m in settings.methods if m not in self.servable(name)]
             if short:
@@ -215,10 +216,13 @@ class ProducerEngine(Engine):
     def servable(self, consumer: str) -> list[str]:
         """The offered methods whose artifacts or profile (``auto``: its operating table) this producer
         holds for ``consumer``."""
+        return self._served[consumer]
+
+    def _holds(self, consumer: str) -> list[str]:
         ctx = self.ctxs[consumer]
 
         def has(kind: str) -> bool:
-            needs = {"profile"} if kind == "auto" else CODECS[kind].requires
+            needs = requires(kind)
             return ("artifacts" not in needs or ctx.artifacts is not None) and ("profile" not in needs
                                                                                or kind in ctx.profiles)
 

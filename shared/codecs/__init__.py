@@ -108,6 +108,12 @@ def resolve_variant(label: str, params: dict[str, str], strict: bool = True) -> 
     return kind, out
 
 
+def requires(kind: str) -> frozenset[str]:
+    """What a method needs of the pair's store: ``artifacts`` (SCD's) and/or ``profile`` (its own
+    ``<pair>.<kind>.json``); ``auto`` (no codec) needs its operating table, a profile."""
+    return frozenset({"profile"}) if kind == "auto" else CODECS[kind].requires
+
+
 def check_settings(kind: str, params: dict[str, str] | None = None) -> None:
     """A method's settings checked before any work starts (a benchmark or an evaluation would otherwise
     find them wrong at its first request): UnknownMethod for a kind that is none, InvalidRequest saying

@@ -374,12 +374,12 @@ def calibrate_hint(name: str = "NAME") -> str:
 def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
     """Those of the method ``kinds`` whose SCD artifacts (``<store>/<name>/meta.json``) or profile
     (``<store>/<name>.<kind>.json``; ``auto``'s operating table too) the store lacks for pair ``name``."""
-    from shared.codecs import CODECS
+    from shared.codecs import requires
 
     folder = Path(store) / name
 
     def has(kind: str) -> bool:
-        needs = {"profile"} if kind == "auto" else CODECS[kind].requires
+        needs = requires(kind)
         return (("artifacts" not in needs or (folder / "meta.json").exists())
                 and ("profile" not in needs or (folder.parent / f"{name}.{kind}.json").exists()))
 

@@ -144,8 +144,8 @@ class _Run:
 def model_problems(cfg: CalibrationSettings, n_layers: int, kv_dim: int, hidden_size: int) -> list[str]:
     """The settings that do not fit a model of these sizes (its layers, K/V width, residual width),
     one line each: every one at once (a model smaller than the defaults assume failed on one per run)."""
-    m = kv_dim
-    ranks = (("r_kv", cfg.r_kv, 2 * m),) if cfg.reuse_code == "joint" else (("r_k", cfg.r_k, m), ("r_v", cfg.r_v, m))
+    ranks = ((("r_kv", cfg.r_kv, 2 * kv_dim),) if cfg.reuse_code == "joint" else
+             (("r_k", cfg.r_k, kv_dim), ("r_v", cfg.r_v, kv_dim)))
     out = []
     if cfg.block_layers >= n_layers:
         out.append(f"block_layers={cfg.block_layers} would recompute all {n_layers} layers (that is the Oracle); "
