@@ -25,7 +25,7 @@ from shared.rpc.security import SecuritySettings, token_ok, token_problem
 from shared.rpc.server import GRACE_MARGIN_S, address, listen_error
 
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 412,
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.DATA_LOSS: 502, grpc.StatusCode.CANCELLED: 499,

@@ -77,10 +77,13 @@ def test_budget_is_binding_and_released_on_error_and_cancellation():
 
 
 @pytest.mark.parametrize("code,status,retry", [("RESOURCE_EXHAUSTED", 429, "1"), ("UNAVAILABLE", 503, "1"),
-                                               ("INVALID_ARGUMENT", 400, None), ("INTERNAL", 500, None)])
+                                               ("INVALID_ARGUMENT", 400, None), ("INTERNAL", 500, None),
+                                               ("FAILED_PRECONDITION", 400, None)])
 def test_http_errors_worth_retrying_say_when(code, status, retry):
     """A 429 (at capacity) or 503 carries Retry-After, which OpenAI's clients honour; errors that
-    a retry cannot fix do not."""
+    a retry cannot fix do not. FAILED_PRECONDITION is a 400, as Google's mapping of gRPC codes has it
+    (412 is HTTP's answer to a conditional header, which no route takes; OpenAI's clients raise
+    their BadRequestError for a 400)."""
     import grpc
 
     from shared.rpc.http import error_response
