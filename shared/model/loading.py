@@ -256,10 +256,21 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
                adapter: str | Path | None = None, fingerprint: bool = True):
     """``from_pretrained`` of a checked folder (safetensors only), with ``adapter`` (a LoRA folder)
     merged into it, in eval mode on ``device``. The weights fingerprint is kept as
-    ``model.scd_fingerprint`` (see ``shared.model.fingerprint``)."""
+    ``model.scd_fingerprint`` (see ``shared.model.fingerprint``). A built-in model's folder that does
+    not load (a weights file cut short, a config removed) says that `scd assets` makes it again."""
+    path = Path(path).expanduser()
+    try:
+        return _load_model(path, device, dtype, adapter, fingerprint)
+    except ModelFolderError as e:
+        hint = _hint(path)
+        if not hint or hint in str(e):
+            raise
+        raise ModelFolderError(f"{e}{hint}") from None
+
+
+def _load_model(path: Path, device: str, dtype: torch.dtype, adapter: str | Path | None, fingerprint: bool):
     from transformers import AutoModelForCausalLM
 
-    path = Path(path).expanduser()
     dev = check_device(device)
     check_weights(path, read_config(path))
     if adapter is not None:

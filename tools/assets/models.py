@@ -49,7 +49,8 @@ def _files(path: Path) -> dict[str, int]:
 def is_ready(path: Path) -> bool:
     """Prepared and whole: its marker, and every file the marker lists at its size (a prepared folder
     whose weights were removed or cut short counted as ready, and `scd assets` failed on it instead of
-    making it again). A marker of an earlier build lists no files: the config and weights must exist."""
+    making it again). A marker of an earlier build lists no files: the config must exist and each
+    weights file must be whole (its safetensors header read: a file cut short does not open)."""
     marker = path / _DONE
     if not marker.exists():
         return False
@@ -58,8 +59,19 @@ def is_ready(path: Path) -> bool:
     except (ValueError, AttributeError):
         listed = None
     if not isinstance(listed, dict):
-        return (path / "config.json").exists() and any(path.glob("model*.safetensors"))
+        weights = sorted(path.glob("model*.safetensors"))
+        return (path / "config.json").exists() and bool(weights) and all(_opens(f) for f in weights)
     return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in listed.items())
+
+
+def _opens(weights: Path) -> bool:
+    from shared.model.loading import ModelFolderError, open_safetensors
+
+    try:
+        with open_safetensors(weights):
+            return True
+    except ModelFolderError:
+        return False
 
 
 def _finish(tmp: Path, final: Path) -> None:
