@@ -38,6 +38,10 @@ class RegistryError(ConfigError):
     """A registration that cannot be accepted; the message names the field or folder at fault."""
 
 
+class UsersPair(RegistryError):
+    """A pair the user registered under a built-in pair's name (`scd assets` leaves it as it is)."""
+
+
 class PairEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -295,6 +299,24 @@ def _stat(*folders: str | None) -> dict[str, list[int]]:
     return out
 
 
+def _check_builtin_name(name: str, builtin: bool, old: PairEntry | None) -> None:
+    """The built-in pairs' names are theirs: `scd assets` (which `make demo` and `make test` run)
+    registers them again, and replaced a pair of the user's of the same name without a word; it
+    now leaves such a pair (registered before names were reserved) as it is and says so."""
+    from tools.assets.models import PAIRS
+
+    if name not in PAIRS:
+        return
+    if not builtin:
+        raise RegistryError(f"pair name {name!r} is a built-in pair's (`scd assets` registers {', '.join(PAIRS)}); "
+                            "choose another name")
+    if old is not None and not old.builtin:
+        raise UsersPair(f"pair {name!r} in {registry_path()} is one you registered ({old.producer} -> "
+                            f"{old.consumer or old.consumer_adapter}), not the built-in pair, and was left as it is; "
+                            f"register yours under another name (`scd pair remove {name}`, then `scd pair add "
+                            f"NEW ...`) and run `scd assets` again")
+
+
 def add(name: str, producer: str | Path, consumer: str | Path | None = None, adapter: str | Path | None = None,
         store: str | Path | None = None, builtin: bool = False, replace: bool = False) -> PairEntry:
     """Validate and register a pair (``replace`` overwrites an entry of the same name). Weights are
@@ -304,6 +326,7 @@ def add(name: str, producer: str | Path, consumer: str | Path | None = None, ada
     if not NAME_RE.match(name):
         raise RegistryError(f"pair name {name!r} must be 1-63 characters of a-z, 0-9, '.', '_', '-', starting with a "
                             "letter or digit (it names folders and the consumer)")
+    _check_builtin_name(name, builtin, load().pairs.get(name))
     info = check_pair(producer, consumer, adapter)
     stat = _stat(info["producer"], info["consumer"], info["adapter"])
     old = load().pairs.get(name)

@@ -35,8 +35,15 @@ def assets(
         (f"consumer {p}", lambda p=p: build_consumer(p)) for p in PAIRS
     ]
     steps.append(("data splits", lambda: data.is_ready() and not force_data or data.build(load_tokenizer())))
-    steps += [(f"register {p}", lambda p=p: registry.add(p, producer_dir(), consumer_dir(p), builtin=True,
-                                                          replace=True)) for p in PAIRS]
+    kept: list[str] = []  # a pair of the user's under a built-in name: left as it is, said at the end
+
+    def register(p: str) -> None:
+        try:
+            registry.add(p, producer_dir(), consumer_dir(p), builtin=True, replace=True)
+        except registry.UsersPair as e:
+            kept.append(str(e))
+
+    steps += [(f"register {p}", lambda p=p: register(p)) for p in PAIRS]
     from shared.paths import scd_home
 
     try:
@@ -50,6 +57,8 @@ def assets(
         fail(f"cannot prepare the assets under {scd_home()}: {e.strerror or e} ({e.filename or scd_home()}); set "
              "SCD_HOME to a writable folder with a few GB free")
 
+    if kept:
+        fail("the assets are prepared, but " + "; ".join(kept))
     if store is not None:
         from tools.assets.shared_store import publish
 

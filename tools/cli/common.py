@@ -208,7 +208,9 @@ def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairM
                                                                                e.consumer_fingerprint)):
         if model.scd_fingerprint != want:
             fail(f"pair {pair!r}: the {side}'s weights changed since registration (fingerprint {model.scd_fingerprint}"
-                 f", registered {want}); run `scd pair add {pair} ... --replace` (and recalibrate)")
+                 f", registered {want}); " + ("it is a built-in pair: `scd assets` makes its folders again"
+                                               if e.builtin else f"run `scd pair add {pair} ... --replace` (and "
+                                               "recalibrate)"))
     return PairModels(e, ModelAdapter(producer), ModelAdapter(consumer), tok, PromptFormat(tok))
 
 
