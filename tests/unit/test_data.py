@@ -84,6 +84,12 @@ def test_operator_prompts_file(tmp_path, tokenizer):
     (b'{"prompt": {"role": "user"}}\n', r'p.jsonl:1: "prompt" must be text .* not an object'),
     (b'{"prompt": "a", "answer": ["x"]}\n', 'p.jsonl:1: "answer" must be text, not a list'),
     (b'{"prompt": "a", "id": 1.5}\n', 'p.jsonl:1: "id" must be text or a whole number, not a number'),
+    (b'{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n', 'p.jsonl:1: give "prompt" or "messages"'),
+    (b'{"messages": []}\n', 'p.jsonl:1: "messages" must be a non-empty list'),
+    (b'{"messages": [{"role": "assistant", "content": "x"}]}\n', "p.jsonl:1: the chat is only the assistant's"),
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}], "answer": "y"}\n',
+     'p.jsonl:1: the chat ends with the assistant'),
+    (b'{"messages": [{"role": "user"}]}\n', 'p.jsonl:1: message 0 must be an object with string "role" and "content"'),
 ])
 def test_an_unusable_prompts_file_is_refused_with_its_line(tmp_path, tokenizer, content, match):
     from shared.model.prompt import PromptFormat
@@ -105,6 +111,26 @@ def test_numbered_records_and_null_fields_are_read(tmp_path, tokenizer):
     f.write_text('{"id": 7, "prompt": "What is 2+2?", "answer": null, "continuation": null}\n')
     item = user.load(f, PromptFormat(tokenizer))[0]
     assert (item.id, item.answer, item.continuation) == ("7", "", "")
+
+
+def test_a_chat_fine_tuning_file_is_read_as_prompts_and_answers(tmp_path, tokenizer):
+    """A fine-tune's own training data is usually a chat file ({"messages": [...]}, OpenAI's format);
+    it was refused ('expected a JSON object with a "prompt"'). The last assistant message is the answer."""
+    from shared.model.prompt import PromptFormat
+    from tools.data import user
+
+    fmt = PromptFormat(tokenizer)
+    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": chat + [{"role": "assistant", "content": "4", "weight": 1}]}) + "\n"
+                 + json.dumps({"messages": chat, "id": 3}) + "\n")
+    a, b = user.load(f, fmt)
+    assert (a.answer, a.prompt, a.prompt_ids) == ("4", chat, fmt.encode(chat)[0])
+    assert (b.answer, b.prompt, b.id) == ("", chat, "3")
+    # the same record written as prompt + answer falls into the same split
+    as_chat = user._from_chat({"messages": chat + [{"role": "assistant", "content": "4"}]}, "x")
+    assert as_chat == {"prompt": chat, "answer": "4"}
+    assert user.split_of(as_chat) == user.split_of({"prompt": chat, "answer": "4"})
 
 
 def test_a_prompts_path_that_is_a_folder_or_starts_with_a_bom(tmp_path, tokenizer):

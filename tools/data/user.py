@@ -4,10 +4,12 @@ One prompt per line::
 
     {"prompt": "Summarize: ...", "answer": "...", "continuation": "..."}
     {"prompt": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}]}
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
     a plain text line is a prompt too
 
 ``prompt`` is text (a user message, wrapped in the pair's own chat template when its tokenizer has
-one) or a list of chat messages; ``answer`` (optional) is a gold answer, scored as task F1;
+one) or a list of chat messages; ``messages`` is a chat as a fine-tuning file holds it (OpenAI's
+format: a final assistant message is the answer, the messages before it the prompt); ``answer`` (optional) is a gold answer, scored as task F1;
 ``continuation`` (optional) is held-out text that follows the prompt, scored teacher-forced (without
 one, the Oracle's own greedy answer is the teacher-forced target). Each prompt falls into the
 calibration, validation or test split by a seeded hash of its content, so a line keeps its split
@@ -67,9 +69,12 @@ def _records(path: Path) -> list[tuple[int, dict]]:
             obj = line.strip()
         if isinstance(obj, str):
             obj = {"prompt": obj}
+        if isinstance(obj, dict) and "messages" in obj:
+            obj = _from_chat(obj, f"{path}:{i + 1}")
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise DataFileError(f"{path}:{i + 1}: expected a JSON object with a \"prompt\" (text or a list of chat "
-                                "messages), a JSON string, or a plain text line")
+                                "messages) or \"messages\" (a chat, as fine-tuning files hold it), a JSON string, or "
+                                "a plain text line")
         unknown = set(obj) - {"prompt", "answer", "continuation", "id"}
         if unknown:
             raise DataFileError(f"{path}:{i + 1}: unknown fields {sorted(unknown)}; expected prompt, answer, "
@@ -98,6 +103,30 @@ def _records(path: Path) -> list[tuple[int, dict]]:
     if not out:
         raise DataFileError(f"{path}: no prompts found")
     return out
+
+
+def _from_chat(obj: dict, where: str) -> dict:
+    """A record of a chat fine-tuning file (``{"messages": [...]}``, OpenAI's format): the messages
+    before the last assistant message are the prompt, and that message is its answer; a chat that
+    does not end with the assistant is all prompt."""
+    if "prompt" in obj:
+        raise DataFileError(f"{where}: give \"prompt\" or \"messages\", not both")
+    msgs = obj.pop("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise DataFileError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    last = msgs[-1]
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        if "answer" in obj:
+            raise DataFileError(f"{where}: the chat ends with the assistant's message, which is the answer; leave "
+                                "\"answer\" out or end the chat with the user's message")
+        if not isinstance(last.get("content"), str):
+            raise DataFileError(f"{where}: message {len(msgs) - 1} (the assistant's answer) must have string "
+                                "\"content\"")
+        obj["answer"], msgs = last["content"], msgs[:-1]
+        if not msgs:
+            raise DataFileError(f"{where}: the chat is only the assistant's answer; it needs a message before it")
+    obj["prompt"] = msgs
+    return obj
 
 
 def _json_type(value) -> str:
