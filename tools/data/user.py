@@ -9,11 +9,12 @@ One prompt per line::
 
 ``prompt`` is text (a user message, wrapped in the pair's own chat template when its tokenizer has
 one) or a list of chat messages; ``messages`` is a chat as a fine-tuning file holds it (OpenAI's
-format: a final assistant message is the answer, the messages before it the prompt); ``answer`` (optional) is a gold answer, scored as task F1;
-``continuation`` (optional) is held-out text that follows the prompt, scored teacher-forced (without
-one, the Oracle's own greedy answer is the teacher-forced target). Each prompt falls into the
-calibration, validation or test split by a seeded hash of its content, so a line keeps its split
-when lines are added, removed or reordered, and the splits never share a prompt.
+format: a final assistant message is the answer, the messages before it the prompt); ``answer``
+(optional) is a gold answer, scored as task F1; ``continuation`` (optional) is held-out text that
+follows the prompt, scored teacher-forced (without one, the Oracle's own greedy answer is the
+teacher-forced target). Each prompt falls into the calibration, validation or test split by a
+seeded hash of its content, so a line keeps its split when lines are added, removed or reordered,
+and the splits never share a prompt.
 """
 
 from __future__ import annotations
