@@ -52,9 +52,9 @@ def _settings_param(req: GenerateRequest):
     try:
         yield
     except InvalidRequest as e:
-        if e.param is not None:
-            key = e.param.split(".")[0]
-            e.param = f"method_params.{key}" if key in req.method_params else "method"
+        if e.param is not None:  # the setting's name, or a path into it ("patch_layers.0"); a name may hold dots
+            key = next((k for k in req.method_params if e.param == k or e.param.startswith(f"{k}.")), None)
+            e.param = f"method_params.{key}" if key is not None else "method"
         raise
 
 

@@ -244,6 +244,7 @@ def test_a_method_with_settings_is_taken_as_the_cli_writes_it(svc, base, tok):
     ("/v1/completions", {"prompt": "hi", "method": "raw", "method_params": {"dtype": "float8"}},
      "method_params.dtype"),
     ("/v1/completions", {"prompt": "hi", "method_params": {"bogus": "1"}}, "method_params.bogus"),
+    ("/v1/completions", {"prompt": "hi", "method_params": {"bo.gus": "1"}}, "method_params.bo.gus"),
     # settings the model cannot take, found when the method is made (param was null)
     ("/v1/completions", {"prompt": "hi", "method": "quant", "method_params": {"group_size": "7"}},
      "method_params.group_size"),
