@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -21,6 +21,11 @@ class Metrics:
         self.service = service
         self.registry = r = CollectorRegistry(auto_describe=True)
         p = f"scd_{service}_"
+        from shared.rpc.wire import PROTOCOL_VERSION
+        from shared.version import VERSION
+
+        Info(p + "build", "The release this service runs and its wire protocol version", registry=r).info(
+            {"version": VERSION, "protocol": str(PROTOCOL_VERSION)})
         self.requests = Counter(p + "requests", "Requests by transfer method and outcome (ok or a gRPC code "
                                 "name, lower case) and whether the consumer recomputed the prefill",
                                 ["method", "outcome", "fallback"], registry=r)

@@ -23,6 +23,7 @@ from shared.errors import MAX_ID_CHARS, clip
 from shared.metrics import CONTENT_TYPE, Metrics, log_request
 from shared.rpc.security import SecuritySettings, token_ok, token_problem
 from shared.rpc.server import GRACE_MARGIN_S, address, listen_error
+from shared.version import VERSION
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -149,7 +150,8 @@ def add_metrics_routes(app: FastAPI, metrics: Metrics, ready=lambda: True, detai
     @app.api_route("/health", methods=READ_METHODS)
     async def _health():
         ok = ready()
-        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "service": metrics.service}
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "service": metrics.service,
+                                "version": VERSION}
         extra = detail()
         if extra is not None:
             body.update(extra)

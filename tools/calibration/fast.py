@@ -34,6 +34,7 @@ from tqdm import tqdm
 from shared.artifacts import store
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.hf_adapter import to_rows as flat
+from shared.version import VERSION
 from tools.calibration import selection as sel
 from tools.calibration.linalg import Moments
 from tools.calibration.memory import PeakRSS, release_memory, timed_stages
@@ -200,7 +201,7 @@ def calibrate_fast(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: 
     meta = run.meta((), block, fallback=fallback, reuse_fallback=reuse_fallback).model_copy(update={
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": VERSION},
         "report": report})
     folder = store.save(out, meta, *run.reuse0)
     return str(folder), report

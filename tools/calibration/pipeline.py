@@ -21,6 +21,7 @@ from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
+from shared.version import VERSION
 from tools.calibration import selection as sel
 from tools.calibration.aligner import train_aligner
 from tools.calibration.levels import tune_levels
@@ -308,7 +309,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                     reuse_fallback=reuse_fallback, code_levels=levels).model_copy(update={
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": "0.1.0"},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": VERSION},
         "report": report})
     folder = store.save(out, meta, prod_t, cons_t)
     return str(folder), report
