@@ -173,7 +173,9 @@ class Cors(CORSMiddleware):
 def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
     eng = servicer.engine
     s = eng.settings
-    app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None)
+    # no 307 to the path without a trailing '/' (FastAPI's default): the openai client and curl do not
+    # follow it for a POST, and showed an empty answer; the 404 says where to send the request
+    app = FastAPI(title="scd producer", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     add_metrics_routes(app, servicer.metrics, servicer.ready, lambda: {"consumers": dict(servicer.consumer_status)})
     add_auth(app, token, servicer.metrics)
     app.add_middleware(BodyLimit, limit=s.max_http_body_bytes, timeout=s.http.read_timeout_s)  # before the token check

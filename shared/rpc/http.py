@@ -174,8 +174,13 @@ def add_route_errors(app: FastAPI, served: str, api_elsewhere: str = "", preflig
         code = _HTTP_CODES.get(exc.status_code, grpc.StatusCode.INVALID_ARGUMENT)
         msg = str(exc.detail)
         if exc.status_code == 404 and msg == "Not Found":
-            msg = f"{clip(request.url.path)} is not served here; this server serves {served}"
-            if api_elsewhere and request.url.path.startswith("/v1/"):
+            path = request.url.path
+            msg = f"{clip(path)} is not served here; this server serves {served}"
+            bare = path.rstrip("/")
+            if bare and bare != path and any((rx := getattr(r, "path_regex", None)) and rx.match(bare)
+                                             for r in app.routes):
+                msg += f" (send it to {clip(bare)}, without the trailing '/')"
+            elif api_elsewhere and path.startswith("/v1/"):
                 msg += f" ({api_elsewhere})"
         elif exc.status_code == 405 and msg == "Method Not Allowed":
             allow = (exc.headers or {}).get("Allow", "another method")
@@ -199,7 +204,8 @@ def _unreadable_body(cause: BaseException | None) -> str:
 
 def metrics_app(metrics: Metrics, token: str | None) -> FastAPI:
     """The consumer's HTTP side: /metrics (token-checked) and /health."""
-    app = FastAPI(title=f"scd {metrics.service}", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title=f"scd {metrics.service}", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # a 307 to the path without '/': POST clients do not follow it
     add_route_errors(app, "GET /health, GET /metrics", "this is an SCD consumer's HTTP port: send OpenAI API "
                      "requests to the producer's http.port, which names this consumer as its model")
     add_metrics_routes(app, metrics)
