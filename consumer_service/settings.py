@@ -14,6 +14,7 @@ from shared.config import (
     ModelSettings,
     ServerSettings,
     ServiceSettings,
+    TextList,
     check_consumer_names,
     check_method_names,
 )
@@ -40,7 +41,7 @@ class ConsumerSettings(ServiceSettings):
     producer_fingerprint: str | None = None
     """Weights fingerprint of the producer this consumer accepts streams from; None accepts any
     producer for methods that need no calibration (raw, oracle)."""
-    methods: tuple[str, ...] = ("oracle", "raw", "quant", "scd-reuse", "scd")
+    methods: TextList = ("oracle", "raw", "quant", "scd-reuse", "scd")
     """Transfer methods this consumer accepts."""
     max_prompt_tokens: int = Field(4096, ge=2)
     max_new_tokens: int = Field(512, ge=1)

@@ -16,6 +16,7 @@ from shared.config import (
     ModelSettings,
     ServerSettings,
     ServiceSettings,
+    TextList,
     check_consumer_names,
     check_grpc_target,
     check_method_names,
@@ -46,7 +47,7 @@ _ORIGIN = re.compile(r"^https?://[^/\s?#]+$")
 
 
 class ProducerHTTPSettings(HTTPSettings):
-    cors_origins: tuple[str, ...] = ()
+    cors_origins: TextList = ()
     """Browser origins allowed to call the OpenAI API (CORS), as a browser sends its ``Origin``
     header (``https://chat.example.com``, ``http://localhost:3000``), or ``"*"`` for any. Empty (the
     default): no CORS headers, and a browser's preflight (``OPTIONS``) is refused."""
@@ -70,7 +71,7 @@ class ProducerSettings(ServiceSettings):
     consumers: dict[str, ConsumerEndpoint] = {}
     """Consumers this producer can serve, by name."""
     default_method: str = "scd"
-    methods: tuple[str, ...] = ("oracle", "raw", "quant", "scd-reuse", "scd", "auto")
+    methods: TextList = ("oracle", "raw", "quant", "scd-reuse", "scd", "auto")
     """Transfer methods this producer offers (a method whose pair lacks its artifacts or profile is
     refused per request with the command that makes them). ``auto`` picks one of the others listed
     here, per request, from the pair's operating table (the consumer must accept what it picks)."""

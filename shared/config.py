@@ -168,6 +168,19 @@ def consumer_list(text: str) -> list[str]:
     return names
 
 
+def _comma_list(value: Any) -> Any:
+    """A list setting given as one text (an environment variable, ``--set key=value``): its
+    comma-separated items (``raw,scd``; ``*``); a list, as YAML or JSON writes one, stays as it is."""
+    if isinstance(value, str):
+        return tuple(item.strip() for item in value.split(",") if item.strip())
+    return value
+
+
+TextList = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
+"""A list of words that may also be written ``a,b`` (``PRODUCER__METHODS=raw,scd`` was refused as "not
+a valid tuple": only ``[raw, scd]`` was read)."""
+
+
 def check_consumer_names(*names: str) -> None:
     """ValueError naming every consumer name a request could not address (the producer's
     ``consumers`` keys and a consumer's own ``name`` follow one rule)."""
