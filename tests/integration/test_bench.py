@@ -238,6 +238,42 @@ def test_bench_cleans_up_on_signal(tiny_dirs, tmp_path, sig):
     assert str(tiny_dirs[0]) not in ps, "a service outlived the benchmark"
 
 
+@needs_netns
+def test_bench_interrupted_reports_the_points_it_measured(tiny_dirs, tmp_path):
+    """Ctrl-C in a grid of an hour lost every result; the points whose requests were all made are
+    now reported (table, JSON marked interrupted, final line), and the command exits 130."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "b.json"
+    old = signal.signal(signal.SIGINT, signal.SIG_DFL)  # as from a terminal (see the test above)
+    try:  # the second link rate is slow: a raw request takes seconds there, the first point is quick
+        proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "oracle,raw", "--bandwidths", "1000,0.1",
+                                           "--tokens", "120", "--repeats", "2", "--json", str(out)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        os.set_blocking(proc.stderr.fileno(), False)
+        seen, t0 = b"", time.monotonic()
+        while b"0.1 Mbit/s" not in seen and proc.poll() is None and time.monotonic() - t0 < 180:
+            seen += proc.stderr.read() or b""  # the progress bar names the point being measured
+            time.sleep(0.2)
+        assert b"0.1 Mbit/s" in seen, seen[-2000:]
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stdout[-2000:]
+    assert not _left(proc.pid)
+    res = json.loads(out.read_text())
+    assert res["config"]["interrupted"] and res["config"]["bandwidths_mbit"] == [1000]
+    assert {(r["link_mbit"], r["method"]) for r in res["rows"]} == {(1000, "oracle"), (1000, "raw")}
+    assert json.loads(stdout.decode().strip().splitlines()[-1])["headline"] == {"link_mbit": 1000, "tokens": 120}
+
+
 def test_bench_refuses_without_privileges(monkeypatch):
     from tools.bench import netns
 

@@ -20,6 +20,7 @@ length).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -264,7 +265,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
         svc.start()
         addr = svc.producer_address
         qdisc_log = {}
-        with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar:
+        with tqdm(total=total, desc="bench", unit="req", disable=not progress) as bar, _until_interrupted() as stop:
             for m in cfg.methods:  # one request per method: the whole path works, code paths are warm
                 _request(svc, addr, prompts.get(min(cfg.tokens)), name, m, prompts.native_prefix, False)
                 bar.update()
@@ -297,9 +298,29 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
                         if m not in transfer:  # the Oracle: no producer prefill, warm == cold
                             cell["cold"] = cell["warm"]
                         raw.append(cell)
+    if stop.interrupted and not raw:
+        raise KeyboardInterrupt  # nothing measured to report
     res = summarize(cfg, raw)
     res["config"].update(qdiscs=qdisc_log, seconds=round(time.perf_counter() - t_start, 1))
+    if stop.interrupted:
+        res["config"]["interrupted"] = True
     return res
+
+
+class _Stop:
+    interrupted = False
+
+
+@contextlib.contextmanager
+def _until_interrupted():
+    """Ctrl-C ends the run with what it measured (every point whose requests were all made): a grid
+    of an hour interrupted near its end lost every result. The services and the link are still
+    taken down by the contexts around this one."""
+    stop = _Stop()
+    try:
+        yield stop
+    except KeyboardInterrupt:
+        stop.interrupted = True
 
 
 def _request(svc: Services, addr, ids, name, m, native_prefix, nopipe) -> dict:
@@ -368,7 +389,9 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
         o = by.get((r["link_mbit"], r["tokens"], "oracle"))
         r["warm_speedup_vs_oracle"] = o["warm_ttft_ms"] / r["warm_ttft_ms"] if o else None
         r["cold_speedup_vs_oracle"] = o["cold_ttft_ms"] / r["cold_ttft_ms"] if o else None
-    bw0, n0 = _closest(cfg.bandwidths_mbit, 1000.0), _closest(cfg.tokens, 1000)
+    measured = {(c["link_mbit"], c["tokens"]) for c in cells}  # the whole grid, unless the run was interrupted
+    bw0 = _closest(sorted({b for b, _ in measured}), 1000.0)
+    n0 = _closest(sorted({n for b, n in measured if b == bw0}), 1000)
     keys = ("link_mbit", "tokens", "prompt_tokens", "warm_ttft_ms", "warm_ttft_p90_ms", "cold_ttft_ms",
             "cold_ttft_p90_ms", "bytes", "floor_ms", "warm_floor_ratio", "cold_floor_ratio", "nopipe_ttft_ms",
             "pipelining_gain", "goodput_mbit", "warm_speedup_vs_oracle", "cold_speedup_vs_oracle")
@@ -377,7 +400,9 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
     for m, v in methods.items():
         v["kl"] = kl.get(m)
     return {
-        "config": dict(methods=list(cfg.methods), bandwidths_mbit=list(cfg.bandwidths_mbit), tokens=list(cfg.tokens),
+        "config": dict(methods=list(cfg.methods), bandwidths_mbit=[b for b in cfg.bandwidths_mbit
+                                                                    if any(b == x for x, _ in measured)],
+                       tokens=[n for n in cfg.tokens if any(n == y for _, y in measured)],
                        repeats=cfg.repeats, delay_ms=cfg.delay_ms, pair=cfg.pair, threads_per_service=cfg.threads,
                        device=cfg.device, dtype=cfg.dtype, cpus=os.cpu_count(), kernel=platform.release(),
                        argv=cfg.argv, kl_source=kl_src, time=time.time(), **_git()),

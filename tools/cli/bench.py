@@ -122,6 +122,10 @@ def bench(
     except BenchError as e:
         fail(str(e))
     _emit(res, report, json_out, png_out)
+    if res["config"].get("interrupted"):
+        typer.echo(f"interrupted: the results above are the {len(res['rows'])} point(s) measured before Ctrl-C",
+                   err=True)
+        raise typer.Exit(130)
 
 
 def _numbers(value: str, option: str, kind) -> tuple:
