@@ -390,8 +390,9 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
         r["warm_speedup_vs_oracle"] = o["warm_ttft_ms"] / r["warm_ttft_ms"] if o else None
         r["cold_speedup_vs_oracle"] = o["cold_ttft_ms"] / r["cold_ttft_ms"] if o else None
     measured = {(c["link_mbit"], c["tokens"]) for c in cells}  # the whole grid, unless the run was interrupted
-    bw0 = _closest(sorted({b for b, _ in measured}), 1000.0)
-    n0 = _closest(sorted({n for b, n in measured if b == bw0}), 1000)
+    links, lengths = {b for b, _ in measured}, {n for _, n in measured}
+    bw0 = _closest(sorted(links), 1000.0)
+    n0 = _closest(sorted(n for b, n in measured if b == bw0), 1000)
     keys = ("link_mbit", "tokens", "prompt_tokens", "warm_ttft_ms", "warm_ttft_p90_ms", "cold_ttft_ms",
             "cold_ttft_p90_ms", "bytes", "floor_ms", "warm_floor_ratio", "cold_floor_ratio", "nopipe_ttft_ms",
             "pipelining_gain", "goodput_mbit", "warm_speedup_vs_oracle", "cold_speedup_vs_oracle")
@@ -400,9 +401,8 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
     for m, v in methods.items():
         v["kl"] = kl.get(m)
     return {
-        "config": dict(methods=list(cfg.methods), bandwidths_mbit=[b for b in cfg.bandwidths_mbit
-                                                                    if any(b == x for x, _ in measured)],
-                       tokens=[n for n in cfg.tokens if any(n == y for _, y in measured)],
+        "config": dict(methods=list(cfg.methods), bandwidths_mbit=[b for b in cfg.bandwidths_mbit if b in links],
+                       tokens=[n for n in cfg.tokens if n in lengths],
                        repeats=cfg.repeats, delay_ms=cfg.delay_ms, pair=cfg.pair, threads_per_service=cfg.threads,
                        device=cfg.device, dtype=cfg.dtype, cpus=os.cpu_count(), kernel=platform.release(),
                        argv=cfg.argv, kl_source=kl_src, time=time.time(), **_git()),
