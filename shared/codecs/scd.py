@@ -94,7 +94,14 @@ def channel_scale(x: torch.Tensor) -> torch.Tensor:
     return n.pow(2).mean(0).sqrt().clamp(1e-3, 6e4).to(torch.float16)
 
 
-class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_model=True, requires={"artifacts"}):
+LAST_RECOMPUTED = 16
+"""A token-sparse block always recomputes the prompt's last positions (the question, the suffix)."""
+
+
+class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=True, cross_model=True,
+          requires={"artifacts"}):
+    # version 2: a token-sparse block recomputes at least the last 16 positions (version 1 recomputed
+    # ``block_tokens`` of a short prompt's positions, fewer than its last 16; the streams differ there)
     class Config(MethodConfig):
         kind: Literal["scd"] = "scd"
         patch_layers: Literal["auto", "none"] | list[int] = "auto"
@@ -248,8 +255,11 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
 
     def n_keep(self, n_tokens: int, start: int) -> int:
         """How many positions a token-sparse block recomputes: ``block_tokens`` of those after the
-        native prefix, at least one."""
-        return min(n_tokens - start, max(1, round(self.block_tokens * (n_tokens - start))))
+        native prefix, and at least the last 16 of them. A short prompt's budget was its share only
+        (4 of a 12-token prompt), below the last 16 the rule promises: "The capital of France is
+        Paris. The capital of Germany is" was answered "Paris" at 0.35, "Berlin" by the whole block."""
+        n = n_tokens - start
+        return min(n, max(LAST_RECOMPUTED, round(self.block_tokens * n)))
 
     def _entry_tensors(self, state, block, start) -> dict[str, torch.Tensor]:
         """A block entry's tensors: the residual-stream state of every position, or for a token-sparse
@@ -266,7 +276,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         own already); ``n_keep`` of them."""
         n = score.shape[0]
         score = score.float().clone()
-        score[n - min(16, n):] = float("inf")
+        score[n - min(LAST_RECOMPUTED, n):] = float("inf")
         score[:start] = float("-inf")
         return torch.topk(score, self.n_keep(n, start)).indices.sort().values
 
@@ -387,7 +397,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", compressive=True, cross_
         return self._patch(layer, tensors) if layer in self.patch else self._reuse(layer, tensors)
 
 
-class SCDReuse(SCD, kind="scd-reuse"):
+class SCDReuse(SCD, kind="scd-reuse", version=1):
     """REUSE at every layer, no PATCH: the ablation that shows what PATCH earns."""
 
     class Config(MethodConfig):

@@ -90,6 +90,26 @@ def test_sparse_block_exit_layer_takes_the_recomputed_positions_own_kv(tiny_pair
     assert not torch.allclose(off.layers[3].values, full.layers[3].values, atol=1e-3)
 
 
+def test_a_short_prompts_sparse_block_recomputes_at_least_its_last_16_positions(tiny_pair, tmp_path, monkeypatch):
+    """The budget was the share alone: 4 positions of a 12-position prompt at 0.35, fewer than the
+    last 16 the rule always recomputes (on `strong`, "The capital of France is Paris. The capital of
+    Germany is" got "Paris" where the whole block says "Berlin"). A prompt of at most 16 positions
+    now gets the whole block's cache."""
+    from tests.unit import test_codec_contract as contract
+
+    pctx, cctx = _sparse_pair(tiny_pair, tmp_path)
+    method = make_method("scd", pctx, {"block_tokens": 0.35})
+    assert [method.n_keep(12, 0), method.n_keep(40, 0), method.n_keep(40, 30)] == [12, 16, 10]
+    assert method.n_keep(1000, 24) == round(0.35 * 976)  # a long prompt: its share, as before
+    monkeypatch.setattr(contract, "IDS", IDS[:13])  # 12 transferred positions
+    full, _, _ = _transfer("scd", pctx, cctx)
+    short, _, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.35})
+    assert enc[1]["pos"].tolist() == list(range(12))
+    for layer in (1, 2):
+        torch.testing.assert_close(short.layers[layer].values, full.layers[layer].values, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(short.layers[layer].keys, full.layers[layer].keys, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bad", ["unsorted", "repeated", "below", "beyond"])
 def test_sparse_block_refuses_bad_positions(tiny_pair, tmp_path, bad):
     """The recomputed positions the producer sends must be increasing and inside the transferred
