@@ -133,6 +133,11 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         weighted by exp(-distance / span) over up to two such positions on each side; 0: the fit only.
         With the defaults a position next to a recomputed one takes all of its residual, two away
         three quarters, three away 6%; chosen on validation (see docs/scd-speed.md, eleventh round)."""
+        block_min_tokens: int = Field(128, ge=LAST_RECOMPUTED)
+        """With ``block_tokens`` < 1, the fewest positions the block recomputes (a prompt of up to this
+        many gets the whole block). On short prompts the share alone left the first positions to the
+        codes and was worse than raw (user messages of 20 tokens: KL 0.248 against raw's 0.165 and
+        the whole block's 0.031), for no time saved (docs/scd-speed.md, seventeenth round)."""
         block_fit_prior: float = Field(1e-4, gt=0)
         """The weight of "no residual" beside the neighbours' (``block_fit_span``): a position whose nearest
         recomputed ones are more than a few spans away takes almost none of their residual."""
@@ -166,6 +171,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         self.blocks = [(int(a), int(b)) for a, b in self.meta.patch_blocks] if use_blocks else []
         n_layers = ctx.model.n_layers
         self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
+        self.block_min_tokens = int(getattr(cfg, "block_min_tokens", LAST_RECOMPUTED))
         sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer carries codes
         self.block_select = getattr(cfg, "block_select", "attention")
         self.sends_positions = sparse and self.block_select == "producer"
@@ -255,11 +261,12 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     def n_keep(self, n_tokens: int, start: int) -> int:
         """How many positions a token-sparse block recomputes: ``block_tokens`` of those after the
-        native prefix, and at least the last 16 of them. A short prompt's budget was its share only
-        (4 of a 12-token prompt), below the last 16 the rule promises: "The capital of France is
-        Paris. The capital of Germany is" was answered "Paris" at 0.35, "Berlin" by the whole block."""
+        native prefix, at least ``block_min_tokens`` of them (and so at least the last 16). A short
+        prompt's budget was its share only (4 of a 12-token prompt), below the last 16 the rule
+        promises: "The capital of France is Paris. The capital of Germany is" was answered "Paris"
+        at 0.35, "Berlin" by the whole block."""
         n = n_tokens - start
-        return min(n, max(LAST_RECOMPUTED, round(self.block_tokens * n)))
+        return min(n, max(self.block_min_tokens, round(self.block_tokens * n)))
 
     def _entry_tensors(self, state, block, start) -> dict[str, torch.Tensor]:
         """A block entry's tensors: the residual-stream state of every position, or for a token-sparse

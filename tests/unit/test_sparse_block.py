@@ -9,6 +9,8 @@ from shared.codecs import CodecContext, DecodeJob, make_method
 from shared.errors import InvalidPayload
 from tests.unit.test_codec_contract import IDS, _calibrate_tiny_joint, _transfer, _variant
 
+FEW = {"block_min_tokens": 16}  # the tiny prompt's 160 positions are below the default floor (128)
+
 
 def _sparse_pair(tiny_pair, tmp_path, exit_kv=False):
     producer, consumer = tiny_pair
@@ -34,7 +36,7 @@ def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp
     for layer in (1, 2):
         torch.testing.assert_close(every.layers[layer].values, full.layers[layer].values, atol=1e-5, rtol=1e-5)
     few, few_bytes, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_fit": "none",
-                                                               "block_select": "attention"})
+                                                               "block_select": "attention", **FEW})
     assert set(enc[1]) == {"r", "r_scale", "r_channel", "zkv", "zkv_scale"} and enc[1]["r"].shape[0] == n
     reuse, _, _ = _transfer("scd", pctx, cctx, params={"patch_blocks": "none"})
     def same(x, y, layer):  # per position
@@ -48,18 +50,19 @@ def test_scd_token_sparse_block_recomputes_the_selected_positions(tiny_pair, tmp
     assert same(few, reuse, 2)[~recomputed].all() and not same(few, reuse, 2)[recomputed].any()
     assert not same(few, full, 2)[recomputed].all()
     # with the per-prompt fit (the default), the others' REUSE K/V are corrected from the entry layer on
-    fit, _, _ = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_select": "attention"})
+    fit, _, _ = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_select": "attention", **FEW})
     assert (same(fit, full, 1) == recomputed).all()
     assert not same(fit, reuse, 1)[~recomputed].any()
     # by default the positions are the producer's choice, the top of its scores; it sends their
     # entry states only, with the positions
-    by_producer, producer_bytes, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.2, "block_fit": "none"})
+    by_producer, producer_bytes, enc = _transfer("scd", pctx, cctx,
+                                                 params={"block_tokens": 0.2, "block_fit": "none", **FEW})
     chosen = ~same(by_producer, reuse, 1)  # (its entry rows are quantized over the chosen rows only)
     assert chosen.nonzero().flatten().tolist() == enc[1]["pos"].tolist()
     torch.testing.assert_close(by_producer.layers[1].values[:, :, chosen], full.layers[1].values[:, :, chosen],
                                atol=0.05, rtol=0.05)
     assert enc[1]["r"].shape[0] == round(0.2 * n) and producer_bytes < few_bytes
-    enc_method = make_method("scd", pctx, {"block_tokens": 0.2})
+    enc_method = make_method("scd", pctx, {"block_tokens": 0.2, **FEW})
     state = pctx.model.prefill(IDS[:-1], hidden_layers=enc_method.hidden_layers())
     score = enc_method._scores(state, (1, 3)).float()
     score[-16:] = float("inf")
@@ -98,9 +101,13 @@ def test_a_short_prompts_sparse_block_recomputes_at_least_its_last_16_positions(
     from tests.unit import test_codec_contract as contract
 
     pctx, cctx = _sparse_pair(tiny_pair, tmp_path)
-    method = make_method("scd", pctx, {"block_tokens": 0.35})
+    method = make_method("scd", pctx, {"block_tokens": 0.35, **FEW})
     assert [method.n_keep(12, 0), method.n_keep(40, 0), method.n_keep(40, 30)] == [12, 16, 10]
     assert method.n_keep(1000, 24) == round(0.35 * 976)  # a long prompt: its share, as before
+    default = make_method("scd", pctx, {"block_tokens": 0.35})  # the floor: 128 positions
+    assert [default.n_keep(100, 0), default.n_keep(200, 0), default.n_keep(1000, 24)] == [100, 128, round(0.35 * 976)]
+    with pytest.raises(Exception, match="block_min_tokens"):
+        make_method("scd", pctx, {"block_tokens": 0.35, "block_min_tokens": 8})  # fewer than the last 16
     monkeypatch.setattr(contract, "IDS", IDS[:13])  # 12 transferred positions
     full, _, _ = _transfer("scd", pctx, cctx)
     short, _, enc = _transfer("scd", pctx, cctx, params={"block_tokens": 0.35})
@@ -115,7 +122,7 @@ def test_sparse_block_refuses_bad_positions(tiny_pair, tmp_path, bad):
     """The recomputed positions the producer sends must be increasing and inside the transferred
     range: anything else is ``InvalidPayload``, not an index error or a silent misplacement."""
     pctx, cctx = _sparse_pair(tiny_pair, tmp_path)
-    params = {"block_tokens": 0.2}
+    params = {"block_tokens": 0.2, **FEW}
     enc, dec = make_method("scd", pctx, params), make_method("scd", cctx, params)
     start, n = 4, len(IDS) - 1
     state = pctx.model.prefill(IDS[:-1], hidden_layers=enc.hidden_layers(), residual_layers=enc.residual_layers())
