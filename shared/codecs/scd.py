@@ -100,8 +100,8 @@ LAST_RECOMPUTED = 16
 
 class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=True, cross_model=True,
           requires={"artifacts"}):
-    # version 2: a token-sparse block recomputes at least the last 16 positions (version 1 recomputed
-    # ``block_tokens`` of a short prompt's positions, fewer than its last 16; the streams differ there)
+    # version 2: a token-sparse block recomputes at least ``block_min_tokens`` positions (version 1:
+    # ``block_tokens`` of them alone, fewer than a short prompt's last 16; the streams differ there)
     class Config(MethodConfig):
         kind: Literal["scd"] = "scd"
         patch_layers: Literal["auto", "none"] | list[int] = "auto"
