@@ -127,6 +127,18 @@ def test_a_chat_fine_tuning_file_is_read_as_prompts_and_answers(tmp_path, tokeni
     a, b = user.load(f, fmt)
     assert (a.answer, a.prompt, a.prompt_ids) == ("4", chat, fmt.encode(chat)[0])
     assert (b.answer, b.prompt, b.id) == ("", chat, "3")
+    # as the chat API reads them: text parts joined, null content empty, developer is system
+    f.write_text(json.dumps({"messages": [
+        {"role": "developer", "content": "Be terse."}, {"role": "assistant", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]}) + "\n")
+    (c,) = user.load(f, fmt)
+    assert c.answer == "4" and c.prompt == [{"role": "system", "content": "Be terse."},
+                                            {"role": "assistant", "content": ""},
+                                            {"role": "user", "content": "What is 2+2?"}]
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}))
+    with pytest.raises(user.DataFileError, match="p.jsonl:1: message 0 content part 0 is a 'image_url' part"):
+        user.load(f, fmt)
     # the same record written as prompt + answer falls into the same split
     as_chat = user._from_chat({"messages": chat + [{"role": "assistant", "content": "4"}]}, "x")
     assert as_chat == {"prompt": chat, "answer": "4"}

@@ -85,6 +85,7 @@ def _records(path: Path) -> list[tuple[int, dict]]:
             if not p.strip():
                 raise DataFileError(f"{path}:{i + 1}: empty prompt")
         elif isinstance(p, list):
+            obj["prompt"] = p = _as_chat_api_reads(p, f"{path}:{i + 1}")
             try:
                 check_messages(p)
             except InvalidRequest as e:
@@ -106,6 +107,31 @@ def _records(path: Path) -> list[tuple[int, dict]]:
     return out
 
 
+def _as_chat_api_reads(messages: list, where: str) -> list:
+    """Messages as the producer's chat API reads them: content given as a list of text parts is
+    their text, joined; null content is empty; the ``developer`` role is ``system`` (OpenAI's
+    newer name for it). A part of another type (an image) is refused: prompts are text."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict):
+            m = dict(m)
+            content = m.get("content")
+            if content is None and "content" in m:
+                m["content"] = ""
+            elif isinstance(content, list):
+                for j, part in enumerate(content):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind != "text" or not isinstance(part.get("text"), str):
+                        what = f"a {kind!r} part" if kind and kind != "text" else "not a text part"
+                        raise DataFileError(f"{where}: message {i} content part {j} is {what}; prompts are text "
+                                            "(parts of {\"type\": \"text\", \"text\": ...})")
+                m["content"] = "".join(part["text"] for part in content)
+            if m.get("role") == "developer":
+                m["role"] = "system"
+        out.append(m)
+    return out
+
+
 def _from_chat(obj: dict, where: str) -> dict:
     """A record of a chat fine-tuning file (``{"messages": [...]}``, OpenAI's format): the messages
     before the last assistant message are the prompt, and that message is its answer; a chat that
@@ -115,6 +141,7 @@ def _from_chat(obj: dict, where: str) -> dict:
     msgs = obj.pop("messages")
     if not isinstance(msgs, list) or not msgs:
         raise DataFileError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    msgs = _as_chat_api_reads(msgs, where)
     last = msgs[-1]
     if isinstance(last, dict) and last.get("role") == "assistant":
         if "answer" in obj:
