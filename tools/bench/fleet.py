@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tools.assets.registry import calibrate_hint, uncalibrated
 from tools.bench.netns import BenchError, Testbed, check_privileges
-from tools.bench.runner import Prompts, _git, _vocab, check_variant, variant
+from tools.bench.runner import Prompts, _git, _until_interrupted, _vocab, check_variant, variant
 from tools.bench.services import CONSUMER_PORT, PRODUCER_PORT, Services, ServiceSpec
 
 POLICIES = ("oracle", "raw", "scd", "auto")
@@ -160,8 +160,9 @@ def run(cfg: FleetConfig, progress: bool = True) -> dict:
 
         names = [m[0] for m in members]
         with tqdm(total=len(cfg.policies) * (len(names) * (cfg.prompts + 1)), desc="fleet", unit="req",
-                  disable=not progress) as bar:
+                  disable=not progress) as bar, _until_interrupted() as stop:
             for pol in cfg.policies:
+                bar.set_postfix_str(pol)
                 warm = prompts.cold(cfg.tokens)
                 for c in names:  # every code path and consumer warm before timing
                     one(c, warm, pol)
@@ -170,15 +171,23 @@ def run(cfg: FleetConfig, progress: bool = True) -> dict:
                 jobs = [(c, ids) for ids in fresh for c in names]
                 rng.shuffle(jobs)
                 t_pol = time.perf_counter()
-                with ThreadPoolExecutor(cfg.clients) as ex:
+                ex = ThreadPoolExecutor(cfg.clients)
+                try:
                     futs = [ex.submit(one, c, ids, pol) for c, ids in jobs]
                     runs = []
                     for f in futs:
                         runs.append(f.result())
                         bar.update()
+                finally:  # Ctrl-C: the queued requests are dropped, those in flight end
+                    ex.shutdown(wait=True, cancel_futures=True)
                 wall = time.perf_counter() - t_pol
                 results.append(_summary(pol, runs, wall))
-    return _report(cfg, results, time.perf_counter() - t0)
+    if stop.interrupted and not results:
+        raise KeyboardInterrupt  # nothing measured to report
+    res = _report(cfg, results, time.perf_counter() - t0)
+    if stop.interrupted:  # the policies whose requests were all made
+        res["config"]["interrupted"] = True
+    return res
 
 
 def _summary(policy: str, runs: list[dict], wall: float) -> dict:

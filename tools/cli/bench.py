@@ -122,10 +122,7 @@ def bench(
     except BenchError as e:
         fail(str(e))
     _emit(res, report, json_out, png_out)
-    if res["config"].get("interrupted"):
-        typer.echo(f"interrupted: the results above are the {len(res['rows'])} point(s) measured before Ctrl-C",
-                   err=True)
-        raise typer.Exit(130)
+    _interrupted(res, f"{len(res['rows'])} point(s)")
 
 
 def _numbers(value: str, option: str, kind) -> tuple:
@@ -172,6 +169,14 @@ def _fleet(quick, methods, bandwidths, tokens, repeats, clients, threads, device
     except BenchError as e:
         fail(str(e))
     _emit(res, fl, json_out, png_out)
+    _interrupted(res, f"{len(res['policies'])} policy run(s)")
+
+
+def _interrupted(res: dict, measured: str) -> None:
+    """A run that Ctrl-C ended: its results were emitted; say so and exit 130."""
+    if res["config"].get("interrupted"):
+        typer.echo(f"interrupted: the results above are the {measured} measured before Ctrl-C", err=True)
+        raise typer.Exit(130)
 
 
 def _emit(res: dict, fmt, json_out: Optional[Path], png_out: Optional[Path]) -> None:
