@@ -17,7 +17,7 @@ from shared.model.hf_adapter import ModelAdapter
 from shared.model.loading import load_model
 from shared.model.prompt import PromptFormat
 from shared.model.tiny import perturbed, save_pretrained, tiny_model, tiny_tokenizer
-from tests.integration.test_bench import _left, needs_netns
+from tests.integration.test_bench import _left, interrupt_when_shown, needs_netns
 from tools.calibration.auto import operating_table
 from tools.data import Item
 
@@ -80,31 +80,12 @@ def test_fleet_bench_smallest_form(fleet_env, tmp_path):
 def test_fleet_bench_interrupted_reports_the_policies_it_measured(fleet_env, tmp_path):
     """Ctrl-C lost every policy's results; those whose requests were all made are now reported (the
     JSON marked interrupted), the queued requests are dropped, and the command exits 130."""
-    import signal
-    import time
-
     env, _ = fleet_env
     out = tmp_path / "fleet.json"
-    old = signal.signal(signal.SIGINT, signal.SIG_DFL)  # as from a terminal (see test_bench's signal test)
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "bench", "--fleet", "--pairs", "a,b", "--methods",
-                                 "oracle,raw", "--tokens", "100", "--bandwidths", "1", "--repeats", "40",
-                                 "--clients", "2", "--threads", "1", "--json", str(out)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    finally:
-        signal.signal(signal.SIGINT, old)
-    try:
-        os.set_blocking(proc.stderr.fileno(), False)
-        seen, t0 = b"", time.monotonic()
-        while b"raw" not in seen.split(b"fleet:")[-1] and proc.poll() is None and time.monotonic() - t0 < 240:
-            seen += proc.stderr.read() or b""  # the progress bar names the policy being measured
-            time.sleep(0.2)
-        assert b"raw" in seen, seen[-2000:]
-        proc.send_signal(signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, stdout = interrupt_when_shown(
+        [sys.executable, "-m", "tools.cli", "bench", "--fleet", "--pairs", "a,b", "--methods", "oracle,raw", "--tokens",
+         "100", "--bandwidths", "1", "--repeats", "40", "--clients", "2", "--threads", "1", "--json", str(out)],
+        b"raw]", env=env)
     assert proc.returncode == 130, stdout[-2000:]
     assert not _left(proc.pid)
     res = json.loads(out.read_text())
