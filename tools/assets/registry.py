@@ -326,10 +326,10 @@ def add(name: str, producer: str | Path, consumer: str | Path | None = None, ada
     if not NAME_RE.match(name):
         raise RegistryError(f"pair name {name!r} must be 1-63 characters of a-z, 0-9, '.', '_', '-', starting with a "
                             "letter or digit (it names folders and the consumer)")
-    _check_builtin_name(name, builtin, load().pairs.get(name))
+    old = load().pairs.get(name)
+    _check_builtin_name(name, builtin, old)
     info = check_pair(producer, consumer, adapter)
     stat = _stat(info["producer"], info["consumer"], info["adapter"])
-    old = load().pairs.get(name)
     same = old is not None and (old.producer, old.consumer, old.consumer_adapter) == \
         (info["producer"], info["consumer"], info["adapter"])
     if old is not None and not replace and not same:
