@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -80,6 +81,15 @@ class PrefillState:
         tensors = [*self.keys, *self.values, *self.hidden.values(), *self.residual.values(), self.token_ids,
                    self.last_logits]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _this_thread() -> Callable[[], bool]:
+    """Whether the caller runs on the thread that made this check. Capture hooks sit on the model's
+    modules, so they fire for every forward pass on them: one model may serve two engines in one
+    process (a producer and a consumer of the same weights, each with its own worker thread), and
+    a capture keeps only its own thread's tensors."""
+    owner = threading.get_ident()
+    return lambda: threading.get_ident() == owner
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -168,22 +178,26 @@ class ModelAdapter:
     ) -> Iterator[dict[str, dict[int, torch.Tensor]]]:
         out: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "h": {}, "r": {}}
         handles = []
+        mine = _this_thread()
 
         def save(kind: str, idx: int, split: bool):
             def hook(_mod, _inp, output):
-                out[kind][idx] = self._split_heads(output) if split else output
+                if mine():
+                    out[kind][idx] = self._split_heads(output) if split else output
 
             return hook
 
         def save_heads(kind: str, idx: int):
             def hook(_mod, _inp, output):  # a per-head norm's output [B, T, H, D]
-                out[kind][idx] = output.transpose(1, 2)
+                if mine():
+                    out[kind][idx] = output.transpose(1, 2)
 
             return hook
 
         def save_input(idx: int):
             def hook(_mod, args, kwargs):
-                out["r"][idx] = args[0] if args else kwargs["hidden_states"]
+                if mine():
+                    out["r"][idx] = args[0] if args else kwargs["hidden_states"]
 
             return hook
 
@@ -358,9 +372,11 @@ class ModelAdapter:
     def _capture_keys(self, layer: int, cache: "_ScatterCache") -> Iterator[None]:
         """While ``layer`` runs, its pre-RoPE keys (after a per-head key norm, if any) go to ``cache``."""
         attn = self.layers[layer].self_attn
+        mine = _this_thread()
 
         def save(_mod, _inp, output):
-            cache.native_k = self._split_heads(output) if output.dim() == 3 else output.transpose(1, 2)
+            if mine():
+                cache.native_k = self._split_heads(output) if output.dim() == 3 else output.transpose(1, 2)
 
         h = (attn.k_norm if hasattr(attn, "k_norm") else attn.k_proj).register_forward_hook(save)
         try:

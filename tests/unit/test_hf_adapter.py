@@ -172,3 +172,50 @@ def test_unsupported_family_refused(model_type, why):
     with pytest.raises(UnsupportedModel, match=why) as e:
         check_supported(model_type)
     assert "llama" in str(e.value) and "qwen3" in str(e.value)
+
+
+
+def test_capture_ignores_another_threads_forward_on_the_same_model():
+    """One model may serve two engines in one process (a producer and a consumer of the same
+    weights, each with its own worker thread): a forward pass on another thread while this one
+    captures K/V must not land in this one's capture (it did: a 1-token decode step's K replaced
+    the prompt's, and the consumer refused the stream)."""
+    import threading
+
+    adapter = ModelAdapter(tiny_model("llama"))
+    prompt = IDS[0].tolist()
+    positions = torch.arange(len(prompt) - 6, len(prompt))
+
+    def captures():
+        state = adapter.prefill(prompt, hidden_layers=[1], residual_layers=[1])
+        sparse = adapter.run_layers_sparse(state.residual[1][:, positions], positions, state.keys[1:], state.values[1:],
+                                           1, adapter.n_layers)
+        return state, sparse
+
+    want = captures()
+
+    me = threading.get_ident()
+
+    def another_threads_forward(_mod, _inp, _out):  # the other thread runs a whole 1-token forward pass
+        if threading.get_ident() != me:
+            return
+        t = threading.Thread(target=lambda: adapter.model(input_ids=torch.tensor([prompt[:1]])))
+        t.start()
+        t.join()
+
+    # after the prefill has captured every layer, and inside each sparse layer after its key capture
+    hooks = [adapter.layers[-1].register_forward_hook(another_threads_forward)]
+    hooks += [layer.self_attn.v_proj.register_forward_hook(another_threads_forward) for layer in adapter.layers]
+    try:
+        got = captures()
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer in range(adapter.n_layers):
+        assert got[0].keys[layer].shape[2] == len(prompt), f"layer {layer}: {got[0].keys[layer].shape[2]} positions"
+        torch.testing.assert_close(got[0].keys[layer], want[0].keys[layer], atol=0, rtol=0)
+        torch.testing.assert_close(got[0].values[layer], want[0].values[layer], atol=0, rtol=0)
+    torch.testing.assert_close(got[0].hidden[1], want[0].hidden[1], atol=0, rtol=0)
+    torch.testing.assert_close(got[0].residual[1], want[0].residual[1], atol=0, rtol=0)
+    for a, b in zip(got[1][1] + got[1][2], want[1][1] + want[1][2]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
