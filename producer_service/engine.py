@@ -84,6 +84,8 @@ class StreamStats:
     encode_ms: float = 0.0
     prefill_shared: bool = False
     """The prefill state came from the cache or from a concurrent request of the same prompt."""
+    resettled: bool = False
+    """The method's ``settings_for`` changed its settings for this prompt (e.g. SCD's block guard)."""
 
 
 @dataclass
@@ -332,12 +334,27 @@ class ProducerEngine(Engine):
         return out, (time.perf_counter() - t0) * 1e3
 
     # ------------------------------------------------------------------ the stream
-    async def layers(self, p: Prepared, stats: StreamStats, hold: bool = False) -> AsyncIterator[EncodedLayer]:
-        """Prefill, then each layer as soon as it is encoded (so the wire carries layer l while l+1
-        encodes). ``hold`` (benchmarks only) encodes every layer before yielding any."""
+    def settle(self, p: Prepared, state: PrefillState) -> bool:
+        """After the prefill, the method a ``decides_after_prefill`` method serves this prompt with
+        (``p.method`` replaced); whether it changed."""
+        params = p.method.settings_for(state, p.prefix_len)
+        if params is None:
+            return False
+        p.method = make_method(p.method.kind, self.ctxs[p.request.consumer], params)
+        log.debug("request %s: %s served with %s after the prefill", p.request.request_id, p.method.kind, params)
+        return True
+
+    async def layers(self, p: Prepared, stats: StreamStats, hold: bool = False
+                     ) -> AsyncIterator[EncodedLayer | None]:
+        """Prefill, then ``None`` (the method is settled for this prompt: a ``decides_after_prefill``
+        method's header can go), then each layer as soon as it is encoded (so the wire carries layer
+        l while l+1 encodes). ``hold`` (benchmarks only) encodes every layer before yielding any."""
         t = time.perf_counter()
         state, stats.prefill_shared = await self.shared_prefill(p)
         stats.prefill_ms = (time.perf_counter() - t) * 1e3
+        if p.method.decides_after_prefill and state is not None:
+            stats.resettled = await self.run(self.settle, p, state)
+        yield None
         if not p.method.transfers_layers:
             return
         held = []

@@ -235,15 +235,22 @@ class ProducerServicer(pbg.ProducerServicer):
         t0, t0_unix = time.perf_counter(), time.time()
         p = eng.prepare(request)
         remaining = min(time_remaining or eng.settings.default_deadline_s, eng.settings.max_deadline_s)
-        header = eng.header(p, request.request_id, t0_unix + remaining)
+        late = p.method.decides_after_prefill  # its settings for this prompt are known after the prefill only
         totals, stats = StreamTotals(), StreamStats()
         sent = {"trailer": 0}
         failed: list[Exception] = []
 
         async def frames():
             try:
-                yield totals.add(header_frame(header))  # before the prefill: the consumer admits meanwhile
+                if not late:  # before the prefill: the consumer admits meanwhile
+                    yield totals.add(header_frame(eng.header(p, request.request_id, t0_unix + remaining)))
                 async for item in eng.layers(p, stats, hold):
+                    if item is None:  # the prefill is done, the method settled
+                        if late:
+                            yield totals.add(header_frame(eng.header(p, request.request_id, t0_unix + remaining)))
+                            if stats.resettled:
+                                m.resettled.labels(request.consumer, p.method.kind).inc()
+                        continue
                     for f in layer_frames(item.layer, item.tensors, compression=eng.settings.compression):
                         yield totals.add(f)
                 sent["trailer"] = 1

@@ -71,6 +71,10 @@ class Metrics:
         self.auto_choices = Counter(p + "auto_choices", "What requests for the auto method were served with, by "
                                     "consumer (producer; the method label, settings included)", ["consumer", "choice"],
                                     registry=r)
+        self.resettled = Counter(p + "resettled_requests", "Requests whose method changed its settings after the "
+                                 "prefill, by consumer and method (producer; scd: a prompt unlike the calibration "
+                                 "text served the whole block by the token-sparse block's guard)",
+                                 ["consumer", "method"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

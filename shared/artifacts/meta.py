@@ -58,6 +58,12 @@ class ArtifactMeta(BaseModel):
     (int8 per token, ``quant``'s form) instead of the code, as raw transfer would."""
     reuse_fallback_layers: list[int] = []
     """The same for ``scd-reuse`` (REUSE at every layer, no PATCH), chosen separately."""
+    block_guard: float = Field(0.0, ge=0)
+    """A token-sparse block's guard (0: none): the most of its layers' K/V a validation prompt had
+    outside what the REUSE codes carry (``SCD.unlike_calibration``), times calibration's margin. A
+    prompt above it is unlike the calibration text (another language, another domain), where the
+    codes the sparse block keeps carry little; the producer serves it the whole block. A run-time
+    policy, not part of the codes: the artifacts' pin leaves it out (``GUARD_FIELDS``)."""
     aligner_hidden: int
     calibration: dict[str, Any] = {}
     """Data hash, prompt and token counts, settings."""

@@ -263,6 +263,17 @@ class TransferMethod(ABC):
         """Layers whose residual-stream input the producer's prefill must capture."""
         return ()
 
+    @property
+    def decides_after_prefill(self) -> bool:
+        """Whether ``settings_for`` may change this method's settings once the prefill is known: the
+        producer then sends the stream header (which carries the settings) after its prefill."""
+        return False
+
+    def settings_for(self, state: PrefillState, start: int) -> dict[str, str] | None:
+        """Producer: the settings to serve this prompt with instead of this method's own (both sides
+        make the method anew with them, from the header), or None to keep them."""
+        return None
+
     @abstractmethod
     def encode_layer(self, state: PrefillState, layer: int, start: int) -> dict[str, torch.Tensor]:
         """Producer: the named tensors that carry ``layer`` for positions [start, n_tokens)."""

@@ -33,6 +33,10 @@ from shared.domain import Schema, TensorSpec
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import from_rows, to_rows
 
+GUARD_FIELDS = {"block_guard"}
+"""Meta fields that set a run-time policy, not the codes: left out of the artifacts' pin, so that
+adding or refitting them keeps the operating tables measured with the codes."""
+
 
 @dataclass
 class PairArtifacts:
@@ -45,7 +49,7 @@ class PairArtifacts:
     @property
     def pin(self) -> str:
         """The artifact set's content hash: its manifest, which records the sha256 of both sides' files."""
-        return hashlib.sha256(self.meta.model_dump_json().encode()).hexdigest()[:16]
+        return hashlib.sha256(self.meta.model_dump_json(exclude=GUARD_FIELDS).encode()).hexdigest()[:16]
 
     def t(self, name: str, device, dtype=torch.float32) -> torch.Tensor:
         return self.tensors[name].to(device, dtype)
@@ -141,6 +145,13 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         block_fit_prior: float = Field(1e-4, gt=0)
         """The weight of "no residual" beside the neighbours' (``block_fit_span``): a position whose nearest
         recomputed ones are more than a few spans away takes almost none of their residual."""
+        block_guard: Literal["auto", "none"] = "auto"
+        """With ``block_tokens`` < 1 and ``block_select=producer``: ``auto`` serves the whole block to a
+        prompt unlike the calibration text, found by the producer after its prefill (its K/V in the
+        block's layers further outside what the codes carry than any validation prompt's, by the
+        artifacts' ``block_guard``; none if they hold none): in French text the sparse block was
+        worse than raw and the whole block far better (docs/scd-speed.md, eighteenth and nineteenth
+        rounds). ``none``: the share for every prompt."""
         fallback: Literal["auto", "none"] = "auto"
         """``auto``: on the layers where calibration found the code worse than the producer's own
         K/V, send those (int8 per token); ``none``: the code on every REUSE layer."""
@@ -179,6 +190,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         self.block_fit_lambda = float(getattr(cfg, "block_fit_lambda", 1.0))
         self.block_fit_span = float(getattr(cfg, "block_fit_span", 0.0))
         self.block_fit_prior = float(getattr(cfg, "block_fit_prior", 1e-4))
+        guard = getattr(cfg, "block_guard", "none") == "auto" and self.sends_positions and bool(self.blocks)
+        self.guard = float(self.meta.block_guard) if guard else 0.0
+        """The threshold of ``unlike_calibration`` above which a prompt gets the whole block (0: never)."""
+        self._spans: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         exits = frozenset(b for _, b in self.blocks if b < n_layers) if self.meta.block_exit_kv else frozenset()
         self.exit_layers = frozenset() if sparse else exits
         self.sparse_exit = exits if sparse else frozenset()
@@ -258,6 +273,41 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
             u = (h - a.t(f"mu_h.{layer}", dev)) @ a.t(f"wh.{layer}", dev)
             return self._code(u, "u")
         return self._encode_reuse(state, layer, start)
+
+    @property
+    def decides_after_prefill(self) -> bool:
+        return self.guard > 0
+
+    def settings_for(self, state, start: int) -> dict[str, str] | None:
+        """The whole block's settings for a prompt ``unlike_calibration`` (above the guard), else None."""
+        if not self.guard or self.unlike_calibration(state, start) <= self.guard:
+            return None
+        return {**self.cfg.wire_params(), "block_tokens": "1"}
+
+    def unlike_calibration(self, state, start: int) -> float:
+        """How unlike the calibration text a prompt is, from the producer's prefill: the share of its
+        centred K/V energy (positions ``start``.. of ``state``) outside the span of the REUSE encoder,
+        averaged over the first block's layers (what no code can carry; validation prompts of the
+        built-in data 0.092-0.099 on ``strong``, French and Spanish text 0.104-0.110)."""
+        a, b = self.blocks[0]
+        parts = ("kv",) if self.meta.reuse_code == "joint" else ("k", "v")
+        shares = []
+        for layer in range(a, b):
+            k, v = (to_rows(x[:, :, start:]).float() for x in (state.keys[layer], state.values[layer]))
+            for part in parts:
+                q, mu = self._span(part, layer, k.device)
+                x = (torch.cat([k, v], 1) if part == "kv" else k if part == "k" else v) - mu
+                out = x - (x @ q) @ q.T
+                shares.append(out.pow(2).sum(1) / x.pow(2).sum(1).clamp_min(1e-12))
+        return float(torch.stack(shares).mean()) if shares and shares[0].numel() else 0.0
+
+    def _span(self, part: str, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """An orthonormal basis [m, r] of the REUSE encoder's span at ``layer``, and the code's mean."""
+        key = (part, layer)
+        if key not in self._spans:
+            q, _ = torch.linalg.qr(self.art.t(f"enc.{part}.{layer}", device, torch.float64))
+            self._spans[key] = (q.float(), self.art.t(f"mu_p.{part}.{layer}", device))
+        return self._spans[key]
 
     def n_keep(self, n_tokens: int, start: int) -> int:
         """How many positions a token-sparse block recomputes: ``block_tokens`` of those after the

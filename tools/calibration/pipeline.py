@@ -24,6 +24,7 @@ from shared.model.hf_adapter import ModelAdapter
 from shared.version import VERSION
 from tools.calibration import selection as sel
 from tools.calibration.aligner import train_aligner
+from tools.calibration.guard import fit_guard
 from tools.calibration.levels import tune_levels
 from tools.calibration.linalg import fit_entry_map, fit_reuse, pca
 from tools.calibration.memory import PeakRSS, estimate, timed_stages
@@ -294,6 +295,13 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                                                     cfg.levels_tolerance, cfg.code_levels_min, progress)
         sel_kl = report["code_levels"]["kl"]
         t = stage("code_levels", t)
+    guard = 0.0
+    if chosen_block and cfg.guard_margin:
+        served = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
+                          reuse_fallback=reuse_fallback, code_levels=levels)
+        guard, report["block_guard"] = fit_guard(producer, served, prod_t, ((vp.state, vp.start) for vp in vps),
+                                                 cfg.guard_margin)
+        t = stage("block_guard", t)
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     report["peak_rss_mb"]["total"] = max(report["peak_rss_mb"].values())
     rss.close()
@@ -307,6 +315,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
 
     meta = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
                     reuse_fallback=reuse_fallback, code_levels=levels).model_copy(update={
+        "block_guard": guard,
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": VERSION},

@@ -63,6 +63,11 @@ class CalibrationSettings(Checked):
     starts from a state nearer the consumer's (on ``strong``: validation KL -11% on QA, -17% on LM)."""
     entry_map_ridge: float = Field(1e-2, gt=0)
     """The entry map's ridge penalty, relative to the mean variance of the producer's state."""
+    guard_margin: float = Field(1.03, ge=0)
+    """The token-sparse block's guard (``block_guard`` in the artifacts): this margin over the highest
+    ``SCD.unlike_calibration`` of the validation prompts; 0: no guard. 1.03 on ``strong`` kept every
+    test prompt of the built-in data under it and put every French and Spanish one over it
+    (docs/scd-speed.md, eighteenth round)."""
     pre_block_ranks: list[int] = [32, 64, 96, 128]
     """Joint-code ranks tried on the REUSE layers before the PATCH block (where drift matters
     little); the smallest whose validation KL is within ``tolerance`` of the full rank's is kept.

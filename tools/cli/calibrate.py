@@ -24,7 +24,7 @@ from tools.cli.common import (
     validation_items,
 )
 
-METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "refine", "fallback")
+METHODS = ("scd", "droidspeak", "ridge", "spectrum", "auto", "refine", "fallback", "guard")
 
 
 @app.command()
@@ -41,7 +41,9 @@ def calibrate(
                                           "stages, the block's entry map and the code form, on the pair's "
                                           "existing artifacts: minutes) or fallback (the layers where scd and "
                                           "scd-reuse send the producer's own K/V, selected again on the existing "
-                                          "artifacts; --set modes=scd-reuse for one mode)."),
+                                          "artifacts; --set modes=scd-reuse for one mode) or guard (the token-sparse "
+                                          "block's guard on the existing artifacts, from the validation prompts: "
+                                          "seconds)."),
     device: Device = "cpu",
     dtype: DType = "float32",
     verbose: bool = typer.Option(True, "-v/-q", "--verbose/--quiet",
@@ -65,7 +67,7 @@ def calibrate(
         overrides = _method_settings(method, overrides)
     except ValueError as e:
         fail(str(e))
-    check_data(data_file, "validation", *(() if method in ("droidspeak", "spectrum", "auto", "fallback") else
+    check_data(data_file, "validation", *(() if method in ("droidspeak", "spectrum", "auto", "fallback", "guard") else
                                           ("calibration",)))
     if cfg is not None:  # sizes the registry knows: every setting the model cannot take, before it loads
         from tools.calibration.pipeline import model_problems, not_fitting
@@ -118,6 +120,9 @@ def calibrate(
             return
         if method == "fallback":
             _refallback(pm, out, pair, val_items, val, overrides)
+            return
+        if method == "guard":
+            _guard(pm, out, pair, val, overrides)
             return
         cal = calibration_prompts(pm, data_file)
         if method == "ridge":
@@ -183,7 +188,8 @@ def _settings(pair: str, overrides: dict):
 # the --set keys of the methods that check them in their own step (their values: CalibrationSettings)
 _TAKES = {"auto": {"n_val", "candidates"},
           "refine": {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
-                     "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens"},
+                     "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens", "guard_margin"},
+          "guard": {"n_val", "guard_margin"},
           "fallback": {"n_val", "val_tokens", "fallback_gain", "fallback_bound", "spill_dir", "modes"}}
 
 
@@ -280,6 +286,7 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
     from shared.artifacts import store
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration import selection as sel
+    from tools.calibration.guard import fit_guard
     from tools.calibration.levels import tune_levels
     from tools.calibration.linalg import fit_entry_map
     from tools.calibration.scoring import Scorer, scd_sides
@@ -319,13 +326,15 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
                 meta, cons = mapped, {**cons, **entry}
         levels, rep["code_levels"] = tune_levels(scorer, meta, prod, cons, cfg.bytes_target, cfg.levels_tolerance,
                                                  cfg.code_levels_min) if cfg.bytes_target else ({}, {})
+        guard, rep["block_guard"] = fit_guard(pm.producer, meta.model_copy(update={"code_levels": levels}), prod,
+                                              ((vp.state, vp.start) for vp in vps), cfg.guard_margin)
     finally:
         spill.cleanup()
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     settings = {**meta.calibration.get("settings", {}),
                 **{k: getattr(cfg, k) for k in ("code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
-                                                "entry_map", "entry_map_ridge")}}
-    new = meta.model_copy(update={"code_levels": levels, "report": {**meta.report, "refine": rep},
+                                                "entry_map", "entry_map_ridge", "guard_margin")}}
+    new = meta.model_copy(update={"code_levels": levels, "block_guard": guard, "report": {**meta.report, "refine": rep},
                                   "calibration": {**meta.calibration, "settings": settings}})
     folder = store.save(out, new, prod, cons)
     lv = rep["code_levels"]
@@ -340,6 +349,31 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
     typer.echo(json.dumps({"seconds": rep["seconds"], "kl_before": rep["kl_before"],
                            "kl_channel_scales": rep["kl_channel_scales"], "entry_map": em,
                            "code_levels": {k: v for k, v in lv.items() if k != "path"}}))
+
+
+def _guard(pm, out: Path, pair: str, val: list, overrides: dict) -> None:
+    """The token-sparse block's guard on the pair's existing artifacts (``block_guard`` in their
+    meta, which their pin leaves out: operating tables stay valid), from the validation prompts."""
+    from shared.artifacts import store
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.calibration.guard import fit_guard
+
+    cfg = _settings(pair, overrides)
+    pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
+    meta, prod = store.load(out / pair, "producer", pfp, cfp)
+    _, cons = store.load(out / pair, "consumer", pfp, cfp)
+    states = ((pm.producer.prefill(ids[:-1]), start) for ids, start, _ in val)
+    guard, rep = fit_guard(pm.producer, meta, prod, states, cfg.guard_margin)
+    settings = {**meta.calibration.get("settings", {}), "guard_margin": cfg.guard_margin}
+    new = meta.model_copy(update={"block_guard": guard, "report": {**meta.report, "block_guard": rep},
+                                  "calibration": {**meta.calibration, "settings": settings}})
+    folder = store.save(out, new, prod, cons)
+    if guard:
+        typer.echo(f"block guard {guard:.4f} ({cfg.guard_margin} x the highest of {rep['n_prompts']} validation "
+                   f"prompts, {rep['highest']:.4f}; median {rep['median']:.4f}); written to {folder}")
+    else:
+        typer.echo(f"no block guard ({rep['why']}); written to {folder}")
+    typer.echo(json.dumps(rep))
 
 
 def _sha(path: Path) -> str:

@@ -38,6 +38,7 @@ class MethodResult:
     bytes: int = 0
     encode_ms: float = 0.0
     reconstruct_ms: float = 0.0
+    resettled: bool = False  # the method changed its settings for this prompt after the prefill
 
 
 Method = Callable[[Context, ModelAdapter], MethodResult]
@@ -61,6 +62,7 @@ class Acc:
     reconstruct_ms: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    resettled: int = 0
 
     def summary(self, oracle_ppl: float | None) -> dict:
         ppl = math.exp(self.nll / max(self.nll_tokens, 1))
@@ -80,6 +82,7 @@ class Acc:
             "reconstruct_ms": statistics.fmean(self.reconstruct_ms),
             "encode_ms_per_token": sum(self.encode_ms) / n_tok,
             "reconstruct_ms_per_token": sum(self.reconstruct_ms) / n_tok,
+            "resettled": self.resettled,
         }
         return out
 
@@ -144,6 +147,7 @@ def evaluate(
             acc.bytes_per_token.append(r.bytes / len(ctx_ids))
             acc.encode_ms.append(r.encode_ms)
             acc.reconstruct_ms.append(r.reconstruct_ms)
+            acc.resettled += r.resettled
     oracle_ppl = accs["oracle"].summary(None)["ppl"] if "oracle" in accs else None
     depth = list(range(consumer.n_layers))
     summaries = {name: acc.summary(oracle_ppl) for name, acc in accs.items()}
@@ -171,8 +175,8 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
     from shared.codecs import DecodeJob, make_method
     from shared.rpc.wire import layer_frames
 
-    enc = make_method(kind, producer_ctx, params)
-    dec = make_method(kind, consumer_ctx, params)
+    served = make_method(kind, producer_ctx, params), make_method(kind, consumer_ctx, params)
+    variants: dict[tuple, tuple] = {}
 
     def run(ctx: Context, consumer: ModelAdapter) -> MethodResult:
         n = ctx.producer.n_tokens
@@ -180,8 +184,16 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
         job = DecodeJob(prompt_ids=list(ctx.item.prompt_ids), n_tokens=n, start=start,
                         prefix_keys=tuple(k[:, :, :start] for k in ctx.consumer.keys),
                         prefix_values=tuple(v[:, :, :start] for v in ctx.consumer.values))
+        enc, dec = served
+        t0 = time.perf_counter()
+        settled = enc.settings_for(ctx.producer, start) if enc.decides_after_prefill else None
+        nbytes, enc_ms, rec_ms = 4 * len(ctx.item.prompt_ids), (time.perf_counter() - t0) * 1e3, 0.0
+        if settled is not None:  # as the producer serves it: both sides made anew with these settings
+            key = tuple(sorted(settled.items()))
+            if key not in variants:
+                variants[key] = make_method(kind, producer_ctx, settled), make_method(kind, consumer_ctx, settled)
+            enc, dec = variants[key]
         session = dec.start(job)
-        nbytes, enc_ms, rec_ms = 4 * len(ctx.item.prompt_ids), 0.0, 0.0
         if enc.transfers_layers:
             state = ctx.producer
             if not (set(enc.hidden_layers()) <= set(state.hidden)
@@ -200,7 +212,8 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
         t0 = time.perf_counter()
         cache = session.finish()
         rec_ms += (time.perf_counter() - t0) * 1e3
-        return MethodResult(cache, bytes=nbytes, encode_ms=enc_ms, reconstruct_ms=rec_ms)
+        return MethodResult(cache, bytes=nbytes, encode_ms=enc_ms, reconstruct_ms=rec_ms, resettled=settled is not None)
 
+    enc = served[0]
     run.hidden_layers, run.residual_layers, run.pin = enc.hidden_layers(), enc.residual_layers(), enc.pin
     return run

@@ -1,0 +1,98 @@
+"""The token-sparse block's guard: how unlike the calibration text a prompt is (the producer's K/V in
+the block's layers outside what the REUSE codes carry), the threshold calibration sets, and the
+whole block it serves a prompt above it, as the evaluation harness and the producer serve it."""
+
+import pytest
+import torch
+
+from shared.codecs import CodecContext, make_method
+from shared.codecs.scd import PairArtifacts
+from shared.model.hf_adapter import to_rows
+from tests.unit.test_codec_contract import IDS, _transfer
+from tests.unit.test_sparse_block import FEW, _sparse_pair
+from tools.calibration.guard import fit_guard
+
+SPARSE = {"block_tokens": 0.5, **FEW}
+
+
+@pytest.fixture(scope="module")
+def contexts(tiny_pair, tmp_path_factory):
+    return _sparse_pair(tiny_pair, tmp_path_factory.mktemp("guard"))
+
+
+def _guarded(ctx: CodecContext, guard: float) -> CodecContext:
+    art = ctx.artifacts
+    return CodecContext(ctx.model, PairArtifacts(art.meta.model_copy(update={"block_guard": guard}), art.tensors,
+                                                 art.side), ctx.profiles)
+
+
+def _share_by_pinv(ctx: CodecContext, state, start: int) -> float:
+    """The same share another way: the least-squares fit of each centred row by the encoder's columns."""
+    art, (a, b) = ctx.artifacts, ctx.artifacts.meta.patch_blocks[0]
+    shares = []
+    for layer in range(a, b):
+        x = torch.cat([to_rows(state.keys[layer][:, :, start:]), to_rows(state.values[layer][:, :, start:])], 1)
+        x = x.double() - art.tensors[f"mu_p.kv.{layer}"].double()
+        e = art.tensors[f"enc.kv.{layer}"].double()
+        res = x - x @ torch.linalg.pinv(e).T @ e.T
+        shares.append(res.pow(2).sum(1) / x.pow(2).sum(1))
+    return float(torch.stack(shares).mean())
+
+
+def test_unlike_calibration_and_the_settings_it_serves(tiny_pair, contexts):
+    pctx, cctx = contexts
+    state = pctx.model.prefill(IDS[:-1], residual_layers=[1])
+    u = make_method("scd", _guarded(pctx, 1.0), SPARSE).unlike_calibration(state, 5)
+    assert 0 < u < 1
+    assert abs(u - _share_by_pinv(pctx, state, 5)) < 1e-4
+    below, above = _guarded(pctx, u / 2), _guarded(pctx, u * 2)
+    m = make_method("scd", below, SPARSE)
+    assert m.decides_after_prefill
+    got = m.settings_for(state, 5)
+    assert got is not None and got["block_tokens"] == "1" and got["block_min_tokens"] == "16"
+    assert make_method("scd", below, got).block_tokens == 1 and not make_method("scd", below, got).decides_after_prefill
+    assert make_method("scd", above, SPARSE).settings_for(state, 5) is None
+    for params in ({**SPARSE, "block_guard": "none"}, {**SPARSE, "block_select": "attention"}, {}):
+        off = make_method("scd", below, params)
+        assert not off.decides_after_prefill and off.settings_for(state, 5) is None, params
+    assert not make_method("scd", _guarded(pctx, 0.0), SPARSE).decides_after_prefill  # artifacts without a guard
+    assert not make_method("scd-reuse", below).decides_after_prefill
+
+
+def test_fit_guard_is_a_margin_over_the_validation_prompts_highest(tiny_pair, contexts):
+    pctx, _ = contexts
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (30,), generator=g).tolist() for _ in range(3)]
+    states = [(pctx.model.prefill(p), 2) for p in prompts]
+    m = make_method("scd", _guarded(pctx, 1.0), SPARSE)
+    values = [m.unlike_calibration(s, start) for s, start in states]
+    meta, tensors = pctx.artifacts.meta, pctx.artifacts.tensors
+    threshold, rep = fit_guard(pctx.model, meta, tensors, states, 1.1)
+    assert abs(threshold - 1.1 * max(values)) < 1e-9 and rep["n_prompts"] == 3 and rep["highest"] == max(values)
+    assert fit_guard(pctx.model, meta, tensors, states, 0)[0] == 0
+    no_block = meta.model_copy(update={"patch_blocks": []})
+    assert fit_guard(pctx.model, no_block, tensors, states, 1.1) == (0.0, {"threshold": 0.0, "why": "no PATCH block"})
+
+
+def test_the_harness_serves_a_prompt_above_the_guard_the_whole_block(tiny_pair, contexts):
+    """As the producer serves it: both sides made anew with the whole block's settings, counted."""
+    from tools.data import Item
+    from tools.eval.harness import Context, codec_method
+
+    pctx, cctx = contexts
+    producer, consumer = tiny_pair
+    m = make_method("scd", pctx, SPARSE)
+    state = producer.prefill(IDS[:-1], hidden_layers=m.hidden_layers(), residual_layers=m.residual_layers())
+    whole_m = make_method("scd", pctx, {**SPARSE, "block_tokens": 1})  # what the prefill captured covers it
+    assert set(whole_m.hidden_layers()) <= set(m.hidden_layers())
+    assert set(whole_m.residual_layers()) <= set(m.residual_layers())
+    ctx = Context(Item(id="p", kind="user", prompt_ids=list(IDS), prefix_len=0), state, consumer.prefill(IDS[:-1]), 0)
+    u = make_method("scd", _guarded(pctx, 1.0), SPARSE).unlike_calibration(state, 0)
+    whole, _, _ = _transfer("scd", pctx, cctx, params={**SPARSE, "block_tokens": 1})
+    sparse, _, _ = _transfer("scd", pctx, cctx, params=SPARSE)
+    for guard, want, resettled in ((u / 2, whole, True), (u * 2, sparse, False)):
+        r = codec_method("scd", _guarded(pctx, guard), _guarded(cctx, guard), SPARSE)(ctx, consumer)
+        assert r.resettled is resettled
+        for layer in range(consumer.n_layers):
+            torch.testing.assert_close(r.cache.layers[layer].values, want.layers[layer].values, atol=1e-6, rtol=1e-6)
+    assert not all(torch.equal(whole.layers[i].values, sparse.layers[i].values) for i in range(consumer.n_layers))
