@@ -236,6 +236,10 @@ class ProducerServicer(pbg.ProducerServicer):
         p = eng.prepare(request)
         remaining = min(time_remaining or eng.settings.default_deadline_s, eng.settings.max_deadline_s)
         late = p.method.decides_after_prefill  # its settings for this prompt are known after the prefill only
+
+        def header():  # built when sent: it carries the method's settings as settled by then
+            return header_frame(eng.header(p, request.request_id, t0_unix + remaining))
+
         totals, stats = StreamTotals(), StreamStats()
         sent = {"trailer": 0}
         failed: list[Exception] = []
@@ -243,11 +247,11 @@ class ProducerServicer(pbg.ProducerServicer):
         async def frames():
             try:
                 if not late:  # before the prefill: the consumer admits meanwhile
-                    yield totals.add(header_frame(eng.header(p, request.request_id, t0_unix + remaining)))
+                    yield totals.add(header())
                 async for item in eng.layers(p, stats, hold):
                     if item is None:  # the prefill is done, the method settled
                         if late:
-                            yield totals.add(header_frame(eng.header(p, request.request_id, t0_unix + remaining)))
+                            yield totals.add(header())
                             if stats.resettled:
                                 m.resettled.labels(request.consumer, p.method.kind).inc()
                         continue

@@ -295,10 +295,10 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
                                                     cfg.levels_tolerance, cfg.code_levels_min, progress)
         sel_kl = report["code_levels"]["kl"]
         t = stage("code_levels", t)
+    served = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
+                      reuse_fallback=reuse_fallback, code_levels=levels)
     guard = 0.0
     if chosen_block and cfg.guard_margin:
-        served = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
-                          reuse_fallback=reuse_fallback, code_levels=levels)
         guard, report["block_guard"] = fit_guard(producer, served, prod_t, ((vp.state, vp.start) for vp in vps),
                                                  cfg.guard_margin)
         t = stage("block_guard", t)
@@ -313,8 +313,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     report["selected_kl"] = sel_kl
     import transformers
 
-    meta = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
-                    reuse_fallback=reuse_fallback, code_levels=levels).model_copy(update={
+    meta = served.model_copy(update={
         "block_guard": guard,
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
