@@ -203,11 +203,11 @@ class ConsumerEngine(Engine):
     def generator(self, req: Request) -> Generator:
         t0 = time.perf_counter()
         assert req.session is not None
-        cache = req.session.finish()
+        cache, logits = req.session.finish_for_decoding()
         req.session = None  # the cache now lives in the generator only
         req.reconstruct_ms += (time.perf_counter() - t0) * 1e3
         return Generator(self.adapter, cache, int(req.header.prompt_ids[-1]), req.sampling, self.tokenizer,
-                         self.stop_ids)
+                         self.stop_ids, first_logits=logits)
 
     # ------------------------------------------------------------------ the stream
     def _progress_left(self, record: TransferRecord) -> float:

@@ -62,10 +62,13 @@ class Generator:
 
     model: ModelAdapter
     cache: Any  # a transformers Cache
-    next_id: int  # the last prompt token (its K/V is not in the cache)
+    next_id: int  # the last prompt token (its K/V is not in the cache, unless ``first_logits`` is given)
     sampling: Sampling
     tokenizer: Any  # a transformers tokenizer, or None (token ids only)
     stop_ids: frozenset[int] = frozenset()
+    first_logits: torch.Tensor | None = None
+    """The logits that predict the first token when the cache already holds the whole prompt (the
+    Oracle's own prefill); the first step then runs no forward pass and ``next_id`` is not fed."""
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
     _emitted: str = ""
@@ -87,7 +90,10 @@ class Generator:
 
     @torch.inference_mode()
     def step(self) -> Step:
-        logits = self.model.forward_with_cache(self.cache, [self.next_id])[0, -1]
+        if self.first_logits is not None:
+            logits, self.first_logits = self.first_logits, None
+        else:
+            logits = self.model.forward_with_cache(self.cache, [self.next_id])[0, -1]
         tok = sample(logits, self.sampling, self._gen)
         self.next_id = tok
         self.tokens.append(tok)

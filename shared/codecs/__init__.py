@@ -11,7 +11,8 @@ from shared.codecs.oracle import Oracle
 from shared.codecs.quantized import QuantKV
 from shared.codecs.raw import RawKV
 from shared.codecs.ridge import RidgeMap
-from shared.codecs.scd import SCD, SCDReuse
+from shared.codecs.scd import SCD
+from shared.codecs.scd_reuse import SCDReuse
 from shared.codecs.selective_recompute import DroidSpeak
 from shared.codecs.spectrum import SpectrumKV
 from shared.config import field_errors, first_field

@@ -171,6 +171,12 @@ class DecodeSession(ABC):
             raise InvalidPayload(f"stream ended after {len(self._rotated)} of {self.model.n_layers} layers")
         return ModelAdapter.cache_from_rotated(self._rotated, self.model.config)
 
+    def finish_for_decoding(self) -> tuple[Any, torch.Tensor | None]:
+        """What the consumer decodes from: the cache, and the logits [vocab] that predict the first new
+        token where this session computed them with the whole prompt (None: the cache holds positions
+        [0, n_tokens) and the first decode step feeds the prompt's last token)."""
+        return self.finish(), None
+
 
 def check_group_size(width: int, g: int, when: str = "") -> None:
     """A request's ``group_size`` for groups of K/V channels must divide the model's K/V width."""

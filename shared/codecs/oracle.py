@@ -17,6 +17,12 @@ class OracleSession(DecodeSession):
     def finish(self):
         return self.model.own_cache(self.job.prompt_ids[: self.job.n_tokens])
 
+    def finish_for_decoding(self):
+        """The whole prompt in one prefill, as an engine serving it alone computes it: the first token's
+        logits come with the last position (a separate step for the last token, as a transfer needs,
+        would read every weight once more: ~3% of this TTFT at 1,000 tokens on CPU)."""
+        return self.model.own_prefill(self.job.prompt_ids)
+
 
 class Oracle(TransferMethod, kind="oracle", lossless=True, transfers_layers=False):
 

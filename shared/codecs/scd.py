@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 
 from shared.artifacts.meta import ArtifactMeta
 from shared.codecs.aligner import Aligner
-from shared.codecs.base import SKIP, MethodConfig, TransferMethod, parse_int_list, skip_tensors
+from shared.codecs.base import SKIP, MethodConfig, TransferMethod, kv_spec, parse_int_list, skip_tensors
 from shared.codecs.quant import dequantize_rows, quantize_rows
 from shared.codecs.selective_recompute import RecomputesBlocks
 from shared.codecs.sparse_block import SparseBlock
@@ -214,6 +214,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         the recomputed positions take their native K/V from their block output state."""
         recomputed = {l for a, b in self.blocks for l in range(a, b)} | self.exit_layers
         self.patch -= recomputed
+        self.raw_kv = getattr(cfg, "fallback", "auto") == "raw"
+        """Every layer the code would carry crosses as the producer's own K/V in fp16, as ``raw`` sends
+        them (what ``scd-reuse`` serves a prompt its guard finds unlike the calibration text)."""
         use_fallback = getattr(cfg, "fallback", "auto") == "auto"
         self.fallback = (frozenset(self._fallback_layers()) - self.patch - recomputed
                          if use_fallback else frozenset())
@@ -300,10 +303,10 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
     def unlike_calibration(self, state, start: int) -> float:
         """How unlike the calibration text a prompt is, from the producer's prefill: the share of its
         centred K/V energy (positions ``start``.. of ``state``, ``GUARD_POSITIONS`` of them evenly
-        spaced at most) outside the span of the REUSE encoder, averaged over the first block's layers
+        spaced at most) outside the span of the REUSE encoder, averaged over the first calibrated block's layers
         (what no code can carry; validation prompts of the built-in data 0.092-0.099 on ``strong``,
         French and Spanish text 0.104-0.110)."""
-        a, b = self.blocks[0]
+        a, b = self.meta.patch_blocks[0]
         n = state.keys[a].shape[2] - start
         if n <= 0:
             return 0.0
@@ -360,6 +363,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     def _encode_reuse(self, state, layer, start):
         dev, a = state.keys[layer].device, self.art
+        if self.raw_kv:
+            return {x: y[layer][:, :, start:].to(torch.float16) for x, y in (("k", state.keys), ("v", state.values))}
         k, v = (to_rows(x[:, :, start:]).float() for x in (state.keys[layer], state.values[layer]))
         if layer in self.fallback:
             return self._code(torch.cat([k, v], 1), "qkv")
@@ -396,6 +401,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     def _reuse_schema(self, layer, job):
         meta, n = self.meta, job.n_transfer
+        if self.raw_kv:
+            spec = kv_spec(self.ctx.model, n, torch.float16)
+            return {"k": spec, "v": spec}
         if layer in self.fallback:
             return self._code_schema("qkv", n, 2 * self.ctx.model.kv_dim)
         if meta.reuse_code == "joint":
@@ -422,7 +430,9 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
     def _reuse(self, layer, tensors):
         m = self.ctx.model
         dev, a = m.device, self.art
-        if layer in self.fallback:  # the producer's own K/V, as raw transfer sends them
+        if self.raw_kv:  # names, dtypes and shapes checked against the schema
+            return tensors["k"], tensors["v"]
+        if layer in self.fallback:  # the producer's own K/V, int8 per token
             x = self._uncode(tensors, "qkv", 2 * m.kv_dim).to(dev)
             return tuple(from_rows(y, m.n_kv_heads, m.head_dim) for y in (x[:, : m.kv_dim], x[:, m.kv_dim:]))
         joint = self.meta.reuse_code == "joint"
@@ -462,24 +472,3 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     def decode_tensors(self, layer, tensors):
         return self._patch(layer, tensors) if layer in self.patch else self._reuse(layer, tensors)
-
-
-class SCDReuse(SCD, kind="scd-reuse", version=1):
-    """REUSE at every layer, no PATCH: the ablation that shows what PATCH earns."""
-
-    class Config(MethodConfig):
-        kind: Literal["scd-reuse"] = "scd-reuse"
-        fallback: Literal["auto", "none"] = "auto"
-        """``auto``: the producer's own K/V on the layers where calibration found REUSE-only's code
-        worse; ``none``: the code on every layer."""
-        codes: Literal["auto", "int8"] = "auto"
-        """``auto``: the artifacts' per-channel scales (their levels are ``scd``'s); ``int8``: a
-        per-token scale only."""
-
-    uses_levels = False  # the levels were chosen for scd, with its block; REUSE-only keeps 256 levels
-
-    def _fallback_layers(self) -> list[int]:
-        return self.meta.reuse_fallback_layers
-
-    def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
-        return frozenset()

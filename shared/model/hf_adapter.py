@@ -438,8 +438,13 @@ class ModelAdapter:
     @torch.inference_mode()
     def own_cache(self, ids: torch.Tensor | Sequence[int]) -> DynamicCache:
         """This model's own prefill cache of ``ids`` (the Oracle)."""
+        return self.own_prefill(ids)[0]
+
+    @torch.inference_mode()
+    def own_prefill(self, ids: torch.Tensor | Sequence[int]) -> tuple[DynamicCache, torch.Tensor]:
+        """This model's own prefill cache of ``ids`` and the logits [vocab] after the last of them."""
         out = self.model(input_ids=self._ids(ids), use_cache=True, logits_to_keep=1)
-        return out.cache if hasattr(out, "cache") else out.past_key_values
+        return (out.cache if hasattr(out, "cache") else out.past_key_values), out.logits[0, -1].float()
 
 
 def clone_cache(cache: DynamicCache, config=None) -> DynamicCache:

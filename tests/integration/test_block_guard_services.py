@@ -1,6 +1,7 @@
 """The token-sparse block's guard through the real services: the producer decides after its prefill,
 sends the header then, with the whole block's settings for a prompt above the artifacts' guard; the
-consumer makes the method from the header as usual."""
+consumer makes the method from the header as usual. ``scd-reuse`` the same way, with the producer's own
+K/V as ``raw`` sends them."""
 
 from tiny_pairs import calibrate_all, random_prompts
 
@@ -34,11 +35,12 @@ def test_a_prompt_above_the_guard_is_served_the_whole_block(tmp_path):
     u = m.unlike_calibration(producer.prefill(PROMPT[:-1]), 0)
     store.save(tmp_path, meta.model_copy(update={"block_guard": u / 2}), pt, ct)  # this prompt is above it
 
-    cs = ConsumerSettings.load(model={"path": "-"}, server={"port": 0}, name="g", methods=["scd"],
+    cs = ConsumerSettings.load(model={"path": "-"}, server={"port": 0}, name="g", methods=["scd", "scd-reuse", "raw"],
                                artifact_store=str(tmp_path))
 
     def make_producer(addresses):
-        ps = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, methods=["scd"], default_method="scd",
+        ps = ProducerSettings.load(model={"path": "-"}, server={"port": 0}, methods=["scd", "scd-reuse", "raw"],
+                                   default_method="scd",
                                    consumers={n: {"address": a, "artifacts": str(tmp_path / n)}
                                               for n, a in addresses.items()})
         return ProducerEngine(ps, producer.model)
@@ -53,6 +55,10 @@ def test_a_prompt_above_the_guard_is_served_the_whole_block(tmp_path):
         assert pm.value("resettled_requests_total", consumer="g", method="scd") == 1
         unguarded = gen(SPARSE + ";block_guard=none")
         assert pm.value("resettled_requests_total", consumer="g", method="scd") == 1
+        raw, reuse, codes = gen("raw"), gen("scd-reuse"), gen("scd-reuse:guard=none")
+        assert pm.value("resettled_requests_total", consumer="g", method="scd-reuse") == 1
+    assert reuse.token_ids == raw.token_ids and reuse.timings.payload_bytes == raw.timings.payload_bytes
+    assert codes.timings.payload_bytes < raw.timings.payload_bytes
     assert guarded.token_ids == whole.token_ids
     assert guarded.timings.payload_bytes == whole.timings.payload_bytes  # the whole block's tensors, not the share's
     assert unguarded.timings.payload_bytes > whole.timings.payload_bytes

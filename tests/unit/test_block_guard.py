@@ -1,6 +1,7 @@
 """The token-sparse block's guard: how unlike the calibration text a prompt is (the producer's K/V in
 the block's layers outside what the REUSE codes carry), the threshold calibration sets, and the
-whole block it serves a prompt above it, as the evaluation harness and the producer serve it."""
+whole block it serves a prompt above it, as the evaluation harness and the producer serve it; and
+``scd-reuse``'s guard, which serves such a prompt the producer's own K/V as ``raw`` sends them."""
 
 import pytest
 import torch
@@ -56,7 +57,36 @@ def test_unlike_calibration_and_the_settings_it_serves(tiny_pair, contexts):
         off = make_method("scd", below, params)
         assert not off.decides_after_prefill and off.settings_for(state, 5) is None, params
     assert not make_method("scd", _guarded(pctx, 0.0), SPARSE).decides_after_prefill  # artifacts without a guard
-    assert not make_method("scd-reuse", below).decides_after_prefill
+
+
+def test_scd_reuse_serves_a_prompt_above_the_guard_the_producers_own_kv_as_raw_does(tiny_pair, contexts):
+    """``scd-reuse``'s guard: the same statistic and threshold; above it the prompt is served
+    ``fallback=raw``, which carries every layer exactly as ``raw`` does (same tensors, same cache)."""
+    pctx, cctx = contexts
+    state = pctx.model.prefill(IDS[:-1])
+    u = make_method("scd", _guarded(pctx, 1.0), SPARSE).unlike_calibration(state, 3)
+    below, above = _guarded(pctx, u / 2), _guarded(pctx, u * 2)
+    m = make_method("scd-reuse", below)
+    assert m.decides_after_prefill and m.unlike_calibration(state, 3) == pytest.approx(u)
+    got = m.settings_for(state, 3)
+    assert got is not None and got["fallback"] == "raw" and got["guard"] == "auto"
+    assert not make_method("scd-reuse", below, got).decides_after_prefill  # settled: nothing left to decide
+    assert make_method("scd-reuse", above).settings_for(state, 3) is None
+    assert not make_method("scd-reuse", below, {"guard": "none"}).decides_after_prefill
+    no_block = CodecContext(pctx.model, PairArtifacts(below.artifacts.meta.model_copy(update={"patch_blocks": []}),
+                                                      below.artifacts.tensors, "producer"))
+    assert not make_method("scd-reuse", no_block).decides_after_prefill  # the statistic needs a block's layers
+    for start in (0, 3):
+        raw, raw_bytes, raw_enc = _transfer("raw", pctx, cctx, start=start)
+        reuse, reuse_bytes, reuse_enc = _transfer("scd-reuse", pctx, cctx, start=start, params=got)
+        codes, code_bytes, _ = _transfer("scd-reuse", pctx, cctx, start=start)
+        assert reuse_bytes == raw_bytes > code_bytes
+        for layer in range(pctx.model.n_layers):
+            assert set(reuse_enc[layer]) == {"k", "v"}
+            assert torch.equal(reuse_enc[layer]["k"], raw_enc[layer]["k"])
+            assert torch.equal(reuse.layers[layer].keys, raw.layers[layer].keys)
+            assert torch.equal(reuse.layers[layer].values, raw.layers[layer].values)
+        assert not torch.equal(codes.layers[1].values, raw.layers[1].values)
 
 
 def test_fit_guard_is_a_margin_over_the_validation_prompts_highest(tiny_pair, contexts):

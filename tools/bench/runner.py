@@ -359,9 +359,10 @@ def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
 
 
 def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
-    step = {}  # prompt length -> median decode step over every request at that length
-    for n in cfg.tokens:
-        step[n] = _median([r["decode_step_ms"] for c in cells if c["tokens"] == n
+    step = {}  # prompt length -> median decode step over every request at that length that ran one
+    for n in cfg.tokens:  # (the Oracle's first token comes with its prefill: it runs no step)
+        step[n] = _median([r["decode_step_ms"] for c in cells
+                           if c["tokens"] == n and variant(c["method"])[0] != "oracle"
                            for r in c["warm"] + c["cold"] + c["nopipe"]])
     rows = []
     for c in cells:

@@ -1,0 +1,51 @@
+"""``scd-reuse``: SCD's REUSE codes at every layer, no PATCH (the ablation that shows what PATCH earns),
+with a guard: a prompt its codes do not carry is served the producer's own K/V, as ``raw`` sends them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from shared.codecs.base import MethodConfig
+from shared.codecs.scd import SCD
+
+
+class SCDReuse(SCD, kind="scd-reuse", version=2):
+    """REUSE at every layer, no PATCH."""
+
+    # version 2: ``fallback=raw`` (the guard's answer) sends fp16 K/V, which a version 1 consumer cannot read
+
+    class Config(MethodConfig):
+        kind: Literal["scd-reuse"] = "scd-reuse"
+        fallback: Literal["auto", "none", "raw"] = "auto"
+        """``auto``: the producer's own K/V (int8 per token) on the layers where calibration found
+        REUSE-only's code worse; ``none``: the code on every layer; ``raw``: the producer's own K/V
+        in fp16 on every layer, what ``raw`` sends (the guard's answer to a prompt the codes do not carry)."""
+        codes: Literal["auto", "int8"] = "auto"
+        """``auto``: the artifacts' per-channel scales (their levels are ``scd``'s); ``int8``: a
+        per-token scale only."""
+        guard: Literal["auto", "none"] = "auto"
+        """``auto``: after its prefill the producer serves ``fallback=raw`` to a prompt unlike the
+        calibration text: its K/V further outside what the codes carry than any validation prompt's, by
+        the artifacts' ``block_guard``, over their PATCH block's layers (the same test as ``scd``'s
+        ``block_guard``; none if the artifacts hold no guard or no block). On French text the codes were
+        1.37x raw's KL (docs/scd-speed.md, seventeenth and twentieth rounds). ``none``: the codes for
+        every prompt. The vLLM connector sends its header before the prefill, so it serves the codes."""
+
+    uses_levels = False  # the levels were chosen for scd, with its block; REUSE-only keeps 256 levels
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        on = getattr(cfg, "guard", "none") == "auto" and not self.raw_kv
+        self.guard = float(self.meta.block_guard) if on and self.meta.patch_blocks else 0.0
+
+    def _fallback_layers(self) -> list[int]:
+        return self.meta.reuse_fallback_layers
+
+    def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
+        return frozenset()
+
+    def settings_for(self, state, start: int) -> dict[str, str] | None:
+        """``fallback=raw`` for a prompt ``unlike_calibration`` (above the guard), else None."""
+        if not self.guard or self.unlike_calibration(state, start) <= self.guard:
+            return None
+        return {**self.cfg.wire_params(), "fallback": "raw"}
