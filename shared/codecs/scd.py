@@ -204,9 +204,8 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         self.block_fit_lambda = float(getattr(cfg, "block_fit_lambda", 1.0))
         self.block_fit_span = float(getattr(cfg, "block_fit_span", 0.0))
         self.block_fit_prior = float(getattr(cfg, "block_fit_prior", 1e-4))
-        guard = getattr(cfg, "block_guard", "none") == "auto" and self.sends_positions and bool(self.blocks)
-        self.guard = float(self.meta.block_guard) if guard else 0.0
-        """The threshold of ``unlike_calibration`` above which a prompt gets the whole block (0: never)."""
+        self.guard = float(self.meta.block_guard) if self._guarded(cfg) else 0.0
+        """The threshold of ``unlike_calibration`` above which a prompt is served ``guarded_settings`` (0: never)."""
         exits = frozenset(b for _, b in self.blocks if b < n_layers) if self.meta.block_exit_kv else frozenset()
         self.exit_layers = frozenset() if sparse else exits
         self.sparse_exit = exits if sparse else frozenset()
@@ -294,11 +293,19 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
     def decides_after_prefill(self) -> bool:
         return self.guard > 0
 
+    guarded_settings = {"block_tokens": "1"}
+    """What a prompt ``unlike_calibration`` is served instead: the whole block."""
+
+    def _guarded(self, cfg) -> bool:
+        """Whether these settings check each prompt against the calibration text (``block_guard=auto``, a
+        token-sparse block whose positions the producer chooses)."""
+        return getattr(cfg, "block_guard", "none") == "auto" and self.sends_positions and bool(self.blocks)
+
     def settings_for(self, state, start: int) -> dict[str, str] | None:
-        """The whole block's settings for a prompt ``unlike_calibration`` (above the guard), else None."""
+        """These settings with ``guarded_settings`` for a prompt ``unlike_calibration`` (above the guard), else None."""
         if not self.guard or self.unlike_calibration(state, start) <= self.guard:
             return None
-        return {**self.cfg.wire_params(), "block_tokens": "1"}
+        return {**self.cfg.wire_params(), **self.guarded_settings}
 
     def unlike_calibration(self, state, start: int) -> float:
         """How unlike the calibration text a prompt is, from the producer's prefill: the share of its

@@ -33,19 +33,13 @@ class SCDReuse(SCD, kind="scd-reuse", version=2):
 
     uses_levels = False  # the levels were chosen for scd, with its block; REUSE-only keeps 256 levels
 
-    def __init__(self, cfg, ctx):
-        super().__init__(cfg, ctx)
-        on = getattr(cfg, "guard", "none") == "auto" and not self.raw_kv
-        self.guard = float(self.meta.block_guard) if on and self.meta.patch_blocks else 0.0
+    guarded_settings = {"fallback": "raw"}
+
+    def _guarded(self, cfg) -> bool:
+        return cfg.guard == "auto" and cfg.fallback != "raw" and bool(self.meta.patch_blocks)
 
     def _fallback_layers(self) -> list[int]:
         return self.meta.reuse_fallback_layers
 
     def _patch_set(self, spec: str | list[int]) -> frozenset[int]:
         return frozenset()
-
-    def settings_for(self, state, start: int) -> dict[str, str] | None:
-        """``fallback=raw`` for a prompt ``unlike_calibration`` (above the guard), else None."""
-        if not self.guard or self.unlike_calibration(state, start) <= self.guard:
-            return None
-        return {**self.cfg.wire_params(), "fallback": "raw"}

@@ -359,10 +359,14 @@ def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
 
 
 def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
+    from shared.codecs import CODECS
+
+    # a transfer leaves the prompt's last token to a decode step; a method that transfers no layer (the
+    # Oracle) prefills the whole prompt, its first token with it, and runs no step
+    stepped = [c for c in cells if CODECS[variant(c["method"])[0]].transfers_layers]
     step = {}  # prompt length -> median decode step over every request at that length that ran one
-    for n in cfg.tokens:  # (the Oracle's first token comes with its prefill: it runs no step)
-        step[n] = _median([r["decode_step_ms"] for c in cells
-                           if c["tokens"] == n and variant(c["method"])[0] != "oracle"
+    for n in cfg.tokens:
+        step[n] = _median([r["decode_step_ms"] for c in stepped if c["tokens"] == n
                            for r in c["warm"] + c["cold"] + c["nopipe"]])
     rows = []
     for c in cells:
