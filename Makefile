@@ -124,4 +124,4 @@ calibrate: install assets
 	  $(SCD) calibrate --pair $$p --method $$m --out artifacts/store || exit 1; done; done
 
 eval: install assets
-	$(SCD) eval --pair strong --methods oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd --n 48 --json results/eval_all_strong_on.json
+	$(SCD) eval --pair strong --methods oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd,scd:block_tokens=0.35 --n 48 --json results/eval_all_strong_on.json

@@ -74,6 +74,9 @@ class Prepared:
     address: str
     auto: Choice | None = None
     """Set when the request asked for ``auto``: what it chose and why."""
+    identity: str = ""
+    """The method as requested (``TransferMethod.identity``), before a ``decides_after_prefill`` method
+    settles: what ``scd eval`` measured under that name; the final timings carry it."""
 
 
 @dataclass
@@ -213,7 +216,8 @@ class ProducerEngine(Engine):
             kind, params = choice.method, choice.params
         with _settings_param(req):
             method = make_method(kind, ctx, params)
-        return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address, choice)
+        return Prepared(req, ids, prefix, method, s.consumers[req.consumer].address, choice,
+                        method.identity(self.fingerprint))
 
     def servable(self, consumer: str) -> list[str]:
         """The offered methods whose artifacts or profile (``auto``: its operating table) this producer

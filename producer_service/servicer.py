@@ -285,6 +285,7 @@ class ProducerServicer(pbg.ProducerServicer):
                     t.ttft_ms, t.prefill_ms, t.encode_ms = ttft, stats.prefill_ms, stats.encode_ms
                     t.wire_bytes, t.payload_bytes = totals.wire_bytes, totals.payload_bytes
                     t.auto_reason = p.auto.reason if p.auto else ""
+                    t.method_identity = p.identity
                     if not t.fallback_recompute:
                         eng.links.observe(request.consumer, totals.wire_bytes, t.transfer_ms)
                 yield ev

@@ -142,6 +142,9 @@ class Timings:
     """The consumer prefilled the prompt itself instead of using the transfer."""
     auto_reason: str = ""
     """For a request that asked for ``auto``: the method it chose and why (set by the producer)."""
+    method_identity: str = ""
+    """The method as requested, as ``TransferMethod.identity`` gives it: producer weights, kind and version,
+    settings, calibration pin (set by the producer; ``scd bench`` matches it against ``scd eval``'s)."""
 
 
 @dataclass

@@ -299,6 +299,19 @@ class TransferMethod(ABC):
         the consumer refuses a stream whose pin differs from its own (FAILED_PRECONDITION)."""
         return ""
 
+    def calibration(self) -> str:
+        """A content hash of what this side of the method reads of the pair's store: ``pin`` (both
+        sides read it), unless the producer reads more (``ridge``'s maps, which its consumer never
+        sees). Part of ``identity``, not of the handshake."""
+        return self.pin()
+
+    def identity(self, producer_fp: str) -> str:
+        """What this method is, as served from the producer weights ``producer_fp``: those weights, its
+        kind and version, its settings and ``calibration``. ``scd eval --json`` records it for each method
+        and a request's final timings give the requested method's: a KL measured by ``scd eval`` is this
+        method's only where the two are equal (``scd bench`` checks)."""
+        return f"{producer_fp}:{self.kind}.v{self.version}:{self.cfg.fingerprint()}:{self.calibration()}"
+
     def error_bound(self) -> float:
         """Declared bound on the relative error of reconstructed K/V against the producer's own
         (same model on both sides); 0 for lossless methods."""

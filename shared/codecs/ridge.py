@@ -88,7 +88,7 @@ class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profil
         prof = ctx.profiles.get("ridge")
         if prof is None or "tensors" not in prof:
             raise ConfigError("ridge needs the pair's maps: run `scd calibrate --pair NAME --method ridge`")
-        self.maps = prof["tensors"]
+        self.maps, self._maps_sha = prof["tensors"], str(prof.get("sha256", ""))
         n = ctx.model.n_layers
         if any(f"w.{l}" not in self.maps for l in range(n)):
             raise ConfigError(f"the ridge profile does not cover the model's {n} layers: recalibrate the pair")
@@ -102,6 +102,9 @@ class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profil
             check_group_size(width, cfg.group_size, " (k_bits or v_bits below 16 group K/V channels)")
             if width % 4:
                 raise ConfigError(f"ridge k_bits/v_bits below 16 need a K/V width that is a multiple of 4, not {width}")
+
+    def calibration(self) -> str:  # the maps: the producer's only (pin() stays "": the consumer reads none)
+        return self._maps_sha
 
     def hidden_layers(self) -> tuple[int, ...]:
         return self.tiers.hidden_layers() if self.tiers else ()  # the queries that rank the tokens

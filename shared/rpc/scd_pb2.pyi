@@ -64,7 +64,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "prefill_ms", "encode_ms", "wire_bytes", "payload_bytes", "reconstruct_ms", "transfer_ms", "last_frame_to_first_token_ms", "decode_tokens_per_s", "prompt_tokens", "completion_tokens", "method", "fallback_recompute", "auto_reason")
+    __slots__ = ("ttft_ms", "prefill_ms", "encode_ms", "wire_bytes", "payload_bytes", "reconstruct_ms", "transfer_ms", "last_frame_to_first_token_ms", "decode_tokens_per_s", "prompt_tokens", "completion_tokens", "method", "fallback_recompute", "auto_reason", "method_identity")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class Timings(_message.Message):
     METHOD_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     AUTO_REASON_FIELD_NUMBER: _ClassVar[int]
+    METHOD_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     prefill_ms: float
     encode_ms: float
@@ -93,7 +94,8 @@ class Timings(_message.Message):
     method: str
     fallback_recompute: bool
     auto_reason: str
-    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., reconstruct_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., last_frame_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., method: _Optional[str] = ..., fallback_recompute: _Optional[bool] = ..., auto_reason: _Optional[str] = ...) -> None: ...
+    method_identity: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., reconstruct_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., last_frame_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., method: _Optional[str] = ..., fallback_recompute: _Optional[bool] = ..., auto_reason: _Optional[str] = ..., method_identity: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("text", "token_id", "index", "finish_reason", "timings", "request_id", "error")

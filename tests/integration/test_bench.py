@@ -179,9 +179,19 @@ def _left(pid: int) -> list[str]:
 
 @needs_netns
 def test_bench_smallest_form(tiny_dirs, tmp_path):
+    from shared.codecs import CODECS, method_config
+    from shared.model.loading import folder_fingerprint
+
     out = tmp_path / "bench.json"
+    raw_cfg = method_config("raw").fingerprint()
+    served_raw = f"{folder_fingerprint(tiny_dirs[0])}:raw.v{CODECS['raw'].version}:{raw_cfg}:"
+    kl_file = tmp_path / "eval.json"  # raw as this run serves it; the Oracle as another producer served it
+    kl_file.write_text(json.dumps({"native_prefix": "off", "methods": {
+        "raw": {"kl": 0.25, "identity": served_raw},
+        "oracle": {"kl": 0.0, "identity": "0" * 16 + ":oracle.v1:0:"}}}))
     proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "oracle,raw", "--bandwidths", "100",
-                                       "--tokens", "120", "--repeats", "1", "--json", str(out)),
+                                       "--tokens", "120", "--repeats", "1", "--json", str(out),
+                                       "--kl-json", str(kl_file)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
@@ -201,6 +211,9 @@ def test_bench_smallest_form(tiny_dirs, tmp_path):
     assert rows["oracle"]["nopipe"] is None and rows["raw"]["goodput_mbit"] > 0
     assert "tbf" in res["config"]["qdiscs"]["100"] and "100Mbit" in res["config"]["qdiscs"]["100"]
     assert "raw_goodput_100mbit" in res["targets"]
+    assert raw["kl"] == 0.25 and oracle["kl"] is None  # only the KL measured with what this run served
+    assert list(res["config"]["kl_unused"]) == ["oracle"] and "producer weights" in res["config"]["kl_unused"]["oracle"]
+    assert "KL from" in stdout and "not used for: oracle (measured with other producer weights" in stdout
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -292,3 +305,24 @@ def test_bench_refuses_without_privileges(monkeypatch):
     monkeypatch.setattr(netns.shutil, "which", lambda name: None)
     with pytest.raises(netns.BenchError, match="iproute2"):
         netns.check_privileges()
+
+
+def test_the_final_timings_name_the_method_as_scd_eval_records_it(services):
+    """``scd bench`` takes a method's KL from an ``scd eval`` file only where the eval measured what the
+    producer served: the final timings carry the requested method's identity (producer weights, kind
+    and version, settings, calibration pin), the string the eval harness records for the same method.
+    Before, a bench beside artifacts recalibrated since the eval quoted the old KL (the committed
+    results gave `scd` 0.189, measured fifteen rounds of calibration earlier, for today's 0.097)."""
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.eval.harness import codec_method
+
+    eng = services.producer_engine
+    fp, ctx = weights_fingerprint(eng.adapter.model), eng.ctxs["c"]
+    seen = {}
+    for label, params in (("raw", {}), ("raw:dtype=float32", {"dtype": "float32"}), ("oracle", {})):
+        kind = label.split(":")[0]
+        got = _gen(services, method=kind, method_params=params, n=1).timings.method_identity
+        assert got == codec_method(kind, ctx, ctx, params or None).identity(fp), label
+        seen[label] = got
+    assert len(set(seen.values())) == 3  # other settings, another method: another identity
+    assert all(v.startswith(fp + ":") for v in seen.values())

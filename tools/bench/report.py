@@ -36,6 +36,10 @@ def table(res: dict) -> str:
     for k, t in res["targets"].items():
         detail = ", ".join(f"{a}={_f(b, '.3g') if isinstance(b, float) else b}" for a, b in t.items() if a != "met")
         lines.append(f"target {k}: {'met' if t['met'] else 'NOT met'} ({detail})")
+    if c.get("kl_unused"):  # the quality-aware target knows no KL for these
+        lines.append(f"KL from {c['kl_source']} not used for: "
+                     + "; ".join(f"{m} ({why})" for m, why in c["kl_unused"].items())
+                     + ". Measure them with `scd eval --methods ... --json F` and pass `--kl-json F`.")
     return "\n".join(lines)
 
 

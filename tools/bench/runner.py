@@ -159,7 +159,7 @@ def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix
         wire_bytes=t.wire_bytes, payload_bytes=t.payload_bytes, reconstruct_ms=t.reconstruct_ms,
         transfer_ms=t.transfer_ms, tail_ms=t.last_frame_to_first_token_ms,
         decode_step_ms=1e3 / t.decode_tokens_per_s if t.decode_tokens_per_s > 0 else float("nan"),
-        prompt_tokens=t.prompt_tokens, fallback=bool(t.fallback_recompute),
+        prompt_tokens=t.prompt_tokens, fallback=bool(t.fallback_recompute), identity=t.method_identity,
     )
 
 
@@ -274,7 +274,8 @@ def run(cfg: BenchConfig, progress: bool = True) -> dict:
                 qdisc_log[f"{bw:g}"] = tb.qdiscs()
                 for n in cfg.tokens:
                     warm_ids = prompts.get(n, 0)
-                    cells = {m: dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[])
+                    cells = {m: dict(link_mbit=bw, tokens=n, method=m, warm=[], cold=[], nopipe=[],
+                                     native_prefix=prompts.native_prefix)
                              for m in cfg.methods}
 
                     def req(m, ids, nopipe=False, bw=bw, n=n):
@@ -340,12 +341,14 @@ def _closest(values, target):
 
 
 def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
-    """Each method's KL from an ``scd eval --json`` file, and its path: ``--kl-json``'s (BenchError when
-    it cannot be read: it is checked before the services start), else the pair's file in results/ if
-    there is a readable one."""
+    """Each method's entry of an ``scd eval --json`` file (its KL, and what it was measured with), and the
+    file's path: ``--kl-json``'s (BenchError when it cannot be read: it is checked before the services
+    start), else the pair's file in results/ if there is a readable one."""
     path = Path(cfg.kl_json) if cfg.kl_json else REPO / "results" / f"eval_all_{cfg.pair}_on.json"
     try:
-        kl = {m: r["kl"] for m, r in json.loads(path.read_text())["methods"].items() if "kl" in r}
+        body = json.loads(path.read_text())
+        kl = {m: {"kl": r["kl"], "identity": r.get("identity"), "native_prefix": body.get("native_prefix")}
+              for m, r in body["methods"].items() if "kl" in r}
     except OSError as e:
         if cfg.kl_json:
             raise BenchError(f"--kl-json {path} cannot be read: {e.strerror or e}; give an `scd eval --json` "
@@ -356,6 +359,37 @@ def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
     if not kl and cfg.kl_json:
         raise BenchError(f"--kl-json {path} is not an `scd eval --json` file (no methods with a KL in it)")
     return (kl, str(path)) if kl else ({}, None)
+
+
+def matched_kl(measured: dict, served: dict[str, str], native_prefix: bool) -> tuple[dict, dict]:
+    """The KLs of ``measured`` (``_kl``'s entries) that belong to the methods this run served: the eval
+    recorded the same identity (producer weights, kind and version, settings, calibration pin) as the
+    producer gave for the method's requests (``served``: label -> identity), with the same native
+    prefix. Returns ({label: KL}, {label: why its KL is not used}) over the served labels."""
+    kl, unused = {}, {}
+    want = "on" if native_prefix else "off"
+    for m, got in served.items():
+        e = measured.get(m)
+        if e is None:
+            unused[m] = "not in the file"
+        elif variant(m)[0] == "auto":
+            unused[m] = "it chooses a method per request, by the link: its eval KL is the eval's link rate's"
+        elif not e["identity"]:
+            unused[m] = "the file does not say what it was measured with (an older `scd eval`)"
+        elif e["identity"] != got:
+            unused[m] = f"measured with other {_differs(e['identity'], got)} than this run served"
+        elif e["native_prefix"] not in (None, want):
+            unused[m] = f"measured with the native prefix {e['native_prefix']}, this run {want}"
+        else:
+            kl[m] = e["kl"]
+    return kl, unused
+
+
+def _differs(a: str, b: str) -> str:
+    names = ("producer weights", "kind and version", "settings", "calibration")
+    pa, pb = a.split(":"), b.split(":")
+    diff = [n for n, x, y in zip(names, pa, pb) if x != y]
+    return " and ".join(diff) if len(pa) == len(pb) == len(names) and diff else "weights, settings or calibration"
 
 
 def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
@@ -402,7 +436,9 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
             "cold_ttft_p90_ms", "bytes", "floor_ms", "warm_floor_ratio", "cold_floor_ratio", "nopipe_ttft_ms",
             "pipelining_gain", "goodput_mbit", "warm_speedup_vs_oracle", "cold_speedup_vs_oracle")
     methods = {m: {k: by[(bw0, n0, m)][k] for k in keys} for m in cfg.methods}
-    kl, kl_src = _kl(cfg)
+    measured, kl_src = _kl(cfg)
+    served = {c["method"]: c["warm"][0].get("identity", "") for c in cells if c["warm"]}
+    kl, kl_unused = matched_kl(measured, served, any(c.get("native_prefix", True) for c in cells))
     for m, v in methods.items():
         v["kl"] = kl.get(m)
     return {
@@ -410,7 +446,8 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
                        tokens=[n for n in cfg.tokens if n in lengths],
                        repeats=cfg.repeats, delay_ms=cfg.delay_ms, pair=cfg.pair, threads_per_service=cfg.threads,
                        device=cfg.device, dtype=cfg.dtype, cpus=os.cpu_count(), kernel=platform.release(),
-                       argv=cfg.argv, kl_source=kl_src, time=time.time(), **_git()),
+                       argv=cfg.argv, kl_source=kl_src, kl_unused=kl_unused if kl_src else {}, time=time.time(),
+                       **_git()),
         "decode_step_ms": {str(n): v for n, v in step.items()},
         "headline": {"link_mbit": bw0, "tokens": n0},
         "methods": methods,

@@ -223,6 +223,9 @@ def eval_(
     its = items(pm, "test", n, data_file, kinds=(data_kind,))
     res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual,
                    generate=answers)
+    for lab, r in runners.items():  # what each KL was measured with (scd bench uses a KL only for the same)
+        if hasattr(r, "identity") and lab in res["methods"]:
+            res["methods"][lab]["identity"] = r.identity(pfp)
     res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=data_kind, answers=answers,
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))

@@ -216,4 +216,5 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
 
     enc = served[0]
     run.hidden_layers, run.residual_layers, run.pin = enc.hidden_layers(), enc.residual_layers(), enc.pin
+    run.identity = enc.identity  # of the method as requested (a prompt's settled variant is served under it)
     return run

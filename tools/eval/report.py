@@ -16,11 +16,12 @@ def _fmt(fmt: str, v) -> str:
 def print_table(res: dict, title: str = "") -> None:
     if title:
         print(title)
-    head = f"{'method':<12}" + "".join(f"{h:>9}" for _, h, _ in COLUMNS)
+    w = max([12] + [len(name) + 1 for name in res["methods"]])  # variants such as scd:block_tokens=0.35
+    head = f"{'method':<{w}}" + "".join(f"{h:>9}" for _, h, _ in COLUMNS)
     print(head)
     print("-" * len(head))
     for name, m in res["methods"].items():
-        print(f"{name:<12}" + "".join(f"{_fmt(f, m.get(k)):>9}" for k, _, f in COLUMNS))
+        print(f"{name:<{w}}" + "".join(f"{_fmt(f, m.get(k)):>9}" for k, _, f in COLUMNS))
 
 
 def print_layers(res: dict) -> None:
