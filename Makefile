@@ -125,3 +125,4 @@ calibrate: install assets
 
 eval: install assets
 	$(SCD) eval --pair strong --methods oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd,scd:block_tokens=0.35 --n 48 --json results/eval_all_strong_on.json
+	$(SCD) eval --pair mild --methods oracle,raw,quant,spectrum,droidspeak,ridge,scd-reuse,scd --n 48 --json results/eval_all_mild_on.json
