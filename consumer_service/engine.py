@@ -361,5 +361,6 @@ class ConsumerEngine(Engine):
                     reconstruct_ms=req.reconstruct_ms, transfer_ms=(t_last - t_first) * 1e3,
                     last_frame_to_first_token_ms=(first - t_last) * 1e3,
                     decode_tokens_per_s=len(gen.tokens) / dt if dt > 0 else 0.0, prompt_tokens=len(h.prompt_ids),
-                    completion_tokens=len(gen.tokens), method=h.method, fallback_recompute=bool(req.fallback))
+                    completion_tokens=len(gen.tokens), method=h.method, fallback_recompute=bool(req.fallback),
+                    consumer_fingerprint=self.fingerprint)
             yield ev

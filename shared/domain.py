@@ -145,6 +145,8 @@ class Timings:
     method_identity: str = ""
     """The method as requested, as ``TransferMethod.identity`` gives it: producer weights, kind and version,
     settings, calibration pin (set by the producer; ``scd bench`` matches it against ``scd eval``'s)."""
+    consumer_fingerprint: str = ""
+    """The consumer's weights fingerprint (set by the consumer): the other half of what a KL depends on."""
 
 
 @dataclass

@@ -64,7 +64,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "prefill_ms", "encode_ms", "wire_bytes", "payload_bytes", "reconstruct_ms", "transfer_ms", "last_frame_to_first_token_ms", "decode_tokens_per_s", "prompt_tokens", "completion_tokens", "method", "fallback_recompute", "auto_reason", "method_identity")
+    __slots__ = ("ttft_ms", "prefill_ms", "encode_ms", "wire_bytes", "payload_bytes", "reconstruct_ms", "transfer_ms", "last_frame_to_first_token_ms", "decode_tokens_per_s", "prompt_tokens", "completion_tokens", "method", "fallback_recompute", "auto_reason", "method_identity", "consumer_fingerprint")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class Timings(_message.Message):
     FALLBACK_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     AUTO_REASON_FIELD_NUMBER: _ClassVar[int]
     METHOD_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     prefill_ms: float
     encode_ms: float
@@ -95,7 +96,8 @@ class Timings(_message.Message):
     fallback_recompute: bool
     auto_reason: str
     method_identity: str
-    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., reconstruct_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., last_frame_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., method: _Optional[str] = ..., fallback_recompute: _Optional[bool] = ..., auto_reason: _Optional[str] = ..., method_identity: _Optional[str] = ...) -> None: ...
+    consumer_fingerprint: str
+    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., reconstruct_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., last_frame_to_first_token_ms: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., method: _Optional[str] = ..., fallback_recompute: _Optional[bool] = ..., auto_reason: _Optional[str] = ..., method_identity: _Optional[str] = ..., consumer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("text", "token_id", "index", "finish_reason", "timings", "request_id", "error")

@@ -186,7 +186,8 @@ def test_bench_smallest_form(tiny_dirs, tmp_path):
     raw_cfg = method_config("raw").fingerprint()
     served_raw = f"{folder_fingerprint(tiny_dirs[0])}:raw.v{CODECS['raw'].version}:{raw_cfg}:"
     kl_file = tmp_path / "eval.json"  # raw as this run serves it; the Oracle as another producer served it
-    kl_file.write_text(json.dumps({"native_prefix": "off", "methods": {
+    consumer = folder_fingerprint(tiny_dirs[1])
+    kl_file.write_text(json.dumps({"native_prefix": "off", "models": {"consumer": consumer}, "methods": {
         "raw": {"kl": 0.25, "identity": served_raw},
         "oracle": {"kl": 0.0, "identity": "0" * 16 + ":oracle.v1:0:"}}}))
     proc = subprocess.Popen(_bench_cmd(tiny_dirs, tmp_path, "--methods", "oracle,raw", "--bandwidths", "100",
@@ -326,3 +327,5 @@ def test_the_final_timings_name_the_method_as_scd_eval_records_it(services):
         seen[label] = got
     assert len(set(seen.values())) == 3  # other settings, another method: another identity
     assert all(v.startswith(fp + ":") for v in seen.values())
+    consumer = services.consumer_servers["c"].servicer.engine
+    assert _gen(services, n=1).timings.consumer_fingerprint == weights_fingerprint(consumer.adapter.model)

@@ -179,6 +179,14 @@ def test_tiny_adapter_pair_end_to_end(tiny_folders, tmp_path):
     assert body["methods"]["ridge:k_bits=8;v_bits=8"]["bytes_per_token"] != body["methods"]["ridge"]["bytes_per_token"]
     assert body["methods"]["oracle"]["kl"] == 0.0 and body["methods"]["raw"]["kl"] > 0
     assert sum(body["auto_choices"].values()) == body["methods"]["auto"]["n"]
+    # what each KL was measured with, for `scd bench`: the pair's weights, each method's identity
+    from shared.model.loading import folder_fingerprint
+
+    pfp, cfp = folder_fingerprint(f / "base"), folder_fingerprint(f / "base", f / "adapter")
+    assert body["models"] == {"producer": pfp, "consumer": cfp}, body["models"]
+    ids = {m: r.get("identity") for m, r in body["methods"].items()}
+    assert ids.pop("auto") is None and all(v.startswith(pfp + ":") for v in ids.values())
+    assert len(set(ids.values())) == 9  # every method and variant its own
     assert set(body["auto_choices"]) <= set(points)
     assert body["answers"] and all(body["methods"][m]["agree_f1"] is not None for m in ("raw", "scd"))
     # --no-answers: the same teacher-forced measures, no greedy answers decoded

@@ -160,6 +160,7 @@ def _one(address: str, ids: list[int], consumer: str, method: str, native_prefix
         transfer_ms=t.transfer_ms, tail_ms=t.last_frame_to_first_token_ms,
         decode_step_ms=1e3 / t.decode_tokens_per_s if t.decode_tokens_per_s > 0 else float("nan"),
         prompt_tokens=t.prompt_tokens, fallback=bool(t.fallback_recompute), identity=t.method_identity,
+        consumer_fp=t.consumer_fingerprint,
     )
 
 
@@ -347,8 +348,9 @@ def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
     path = Path(cfg.kl_json) if cfg.kl_json else REPO / "results" / f"eval_all_{cfg.pair}_on.json"
     try:
         body = json.loads(path.read_text())
-        kl = {m: {"kl": r["kl"], "identity": r.get("identity"), "native_prefix": body.get("native_prefix")}
-              for m, r in body["methods"].items() if "kl" in r}
+        consumer = (body.get("models") or {}).get("consumer")
+        kl = {m: {"kl": r["kl"], "identity": r.get("identity"), "consumer": consumer,
+                  "native_prefix": body.get("native_prefix")} for m, r in body["methods"].items() if "kl" in r}
     except OSError as e:
         if cfg.kl_json:
             raise BenchError(f"--kl-json {path} cannot be read: {e.strerror or e}; give an `scd eval --json` "
@@ -361,14 +363,15 @@ def _kl(cfg: BenchConfig) -> tuple[dict, str | None]:
     return (kl, str(path)) if kl else ({}, None)
 
 
-def matched_kl(measured: dict, served: dict[str, str], native_prefix: bool) -> tuple[dict, dict]:
+def matched_kl(measured: dict, served: dict[str, tuple[str, str]], native_prefix: bool) -> tuple[dict, dict]:
     """The KLs of ``measured`` (``_kl``'s entries) that belong to the methods this run served: the eval
-    recorded the same identity (producer weights, kind and version, settings, calibration pin) as the
-    producer gave for the method's requests (``served``: label -> identity), with the same native
-    prefix. Returns ({label: KL}, {label: why its KL is not used}) over the served labels."""
+    recorded the same identity (producer weights, kind and version, settings, calibration) as the
+    producer gave for the method's requests and the same consumer weights as the consumer gave
+    (``served``: label -> (identity, consumer fingerprint)), with the same native prefix. Returns
+    ({label: KL}, {label: why its KL is not used}) over the served labels."""
     kl, unused = {}, {}
     want = "on" if native_prefix else "off"
-    for m, got in served.items():
+    for m, (got, consumer) in served.items():
         e = measured.get(m)
         if e is None:
             unused[m] = "not in the file"
@@ -378,6 +381,9 @@ def matched_kl(measured: dict, served: dict[str, str], native_prefix: bool) -> t
             unused[m] = "the file does not say what it was measured with (an older `scd eval`)"
         elif e["identity"] != got:
             unused[m] = f"measured with other {_differs(e['identity'], got)} than this run served"
+        elif e["consumer"] != consumer:
+            unused[m] = ("measured with another consumer model than this run served" if e["consumer"] else
+                         "the file does not say which consumer model it was measured with (an older `scd eval`)")
         elif e["native_prefix"] not in (None, want):
             unused[m] = f"measured with the native prefix {e['native_prefix']}, this run {want}"
         else:
@@ -437,7 +443,8 @@ def summarize(cfg: BenchConfig, cells: list[dict]) -> dict:
             "pipelining_gain", "goodput_mbit", "warm_speedup_vs_oracle", "cold_speedup_vs_oracle")
     methods = {m: {k: by[(bw0, n0, m)][k] for k in keys} for m in cfg.methods}
     measured, kl_src = _kl(cfg)
-    served = {c["method"]: c["warm"][0].get("identity", "") for c in cells if c["warm"]}
+    served = {c["method"]: (c["warm"][0].get("identity", ""), c["warm"][0].get("consumer_fp", "")) for c in cells
+              if c["warm"]}
     kl, kl_unused = matched_kl(measured, served, any(c.get("native_prefix", True) for c in cells))
     for m, v in methods.items():
         v["kl"] = kl.get(m)

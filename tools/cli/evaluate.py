@@ -226,7 +226,8 @@ def eval_(
     for lab, r in runners.items():  # what each KL was measured with (scd bench uses a KL only for the same)
         if hasattr(r, "identity") and lab in res["methods"]:
             res["methods"][lab]["identity"] = r.identity(pfp)
-    res.update(pair=pair, native_prefix=native_prefix, n=len(its), kind=data_kind, answers=answers,
+    res.update(pair=pair, models={"producer": pfp, "consumer": cfp}, native_prefix=native_prefix, n=len(its),
+               kind=data_kind, answers=answers,
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
