@@ -257,7 +257,7 @@ class ProducerEngine(Engine):
         m = p.method
         return StreamHeader(
             request_id=request_id, method=m.kind, method_version=m.version, protocol_version=PROTOCOL_VERSION,
-            pair_fingerprint=f"{self.fingerprint}:{m.kind}.v{m.version}:{m.cfg.fingerprint()}:{m.pin()}",
+            pair_fingerprint=m.pair_fingerprint(self.fingerprint),
             n_layers=self.adapter.n_layers, n_tokens=len(p.prompt_ids) - 1, prompt_ids=tuple(p.prompt_ids),
             params=m.cfg.wire_params(), sampling=p.request.sampling, native_prefix=bool(p.prefix_len),
             prefix_len=p.prefix_len, consumer=p.request.consumer, deadline_unix=deadline_unix)

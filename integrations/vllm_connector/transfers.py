@@ -158,7 +158,7 @@ def make_header(method, fingerprint: str, key: str, token_ids: Sequence[int], n_
     """The stream header of a transfer of ``token_ids[:-1]`` (the last is the one the consumer computes)."""
     return StreamHeader(
         request_id=key, method=method.kind, method_version=method.version, protocol_version=PROTOCOL_VERSION,
-        pair_fingerprint=f"{fingerprint}:{method.kind}.v{method.version}:{method.cfg.fingerprint()}:{method.pin()}",
+        pair_fingerprint=method.pair_fingerprint(fingerprint),
         n_layers=n_layers, n_tokens=len(token_ids) - 1, prompt_ids=tuple(int(t) for t in token_ids),
         params=method.cfg.wire_params(), sampling=SamplingRequest(), native_prefix=False, prefix_len=0,
         consumer="", deadline_unix=time.time() + deadline_s)

@@ -305,12 +305,20 @@ class TransferMethod(ABC):
         sees). Part of ``identity``, not of the handshake."""
         return self.pin()
 
+    def _fingerprint(self, producer_fp: str, data: str) -> str:
+        return f"{producer_fp}:{self.kind}.v{self.version}:{self.cfg.fingerprint()}:{data}"
+
+    def pair_fingerprint(self, producer_fp: str) -> str:
+        """The stream header's ``pair_fingerprint`` from the producer weights ``producer_fp``: those weights,
+        this method's kind and version, its settings and ``pin`` (what the consumer checks)."""
+        return self._fingerprint(producer_fp, self.pin())
+
     def identity(self, producer_fp: str) -> str:
-        """What this method is, as served from the producer weights ``producer_fp``: those weights, its
-        kind and version, its settings and ``calibration``. ``scd eval --json`` records it for each method
-        and a request's final timings give the requested method's: a KL measured by ``scd eval`` is this
+        """What this method is, as served from the producer weights ``producer_fp``: ``pair_fingerprint``
+        with ``calibration`` in place of the pin. ``scd eval --json`` records it for each method and a
+        request's final timings give the requested method's: a KL measured by ``scd eval`` is this
         method's only where the two are equal (``scd bench`` checks)."""
-        return f"{producer_fp}:{self.kind}.v{self.version}:{self.cfg.fingerprint()}:{self.calibration()}"
+        return self._fingerprint(producer_fp, self.calibration())
 
     def error_bound(self) -> float:
         """Declared bound on the relative error of reconstructed K/V against the producer's own
