@@ -360,7 +360,7 @@ class ConsumerEngine(Engine):
                 ev.timings = Timings(
                     reconstruct_ms=req.reconstruct_ms, transfer_ms=(t_last - t_first) * 1e3,
                     last_frame_to_first_token_ms=(first - t_last) * 1e3,
-                    decode_tokens_per_s=len(gen.tokens) / dt if dt > 0 else 0.0, prompt_tokens=len(h.prompt_ids),
-                    completion_tokens=len(gen.tokens), method=h.method, fallback_recompute=bool(req.fallback),
+                    decode_tokens_per_s=gen.sampled / dt if dt > 0 else 0.0, prompt_tokens=len(h.prompt_ids),
+                    completion_tokens=gen.sampled, method=h.method, fallback_recompute=bool(req.fallback),
                     consumer_fingerprint=self.fingerprint)
             yield ev

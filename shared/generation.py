@@ -70,6 +70,9 @@ class Generator:
     """The logits that predict the first token when the cache already holds the whole prompt (the
     Oracle's own prefill); the first step then runs no forward pass and ``next_id`` is not fed."""
     tokens: list[int] = field(default_factory=list)
+    """The answer's tokens (a stop token is left out: it is not text)."""
+    sampled: int = 0
+    """Every token sampled, a stop token included: the usage's ``completion_tokens``, as vLLM counts."""
     finished: bool = False
     _emitted: str = ""
     _gen: torch.Generator | None = None
@@ -96,6 +99,7 @@ class Generator:
             logits = self.model.forward_with_cache(self.cache, [self.next_id])[0, -1]
         tok = sample(logits, self.sampling, self._gen)
         self.next_id = tok
+        self.sampled += 1
         self.tokens.append(tok)
         finish = ""
         if tok in self.stop_ids:

@@ -47,7 +47,7 @@ def test_an_answer_that_stops_at_once_is_a_normal_empty_answer(svc, monkeypatch)
     events = list(client.stream(svc.producer_address, client.request(PROMPT, consumer="same", method="raw",
                                                                       max_new_tokens=32), token=TOKEN))
     assert len(events) == 1 and events[0].index == 0 and events[0].text == ""
-    assert events[0].finish_reason == "stop" and events[0].timings.completion_tokens == 0
+    assert events[0].finish_reason == "stop" and events[0].timings.completion_tokens == 1  # the stop token
     r = httpx.post(http(svc) + "/v1/chat/completions", headers=H, timeout=60,
                    json={"model": "chat", "messages": [{"role": "user", "content": "tell me about the sea."}],
                          "max_tokens": 32})
