@@ -348,17 +348,15 @@ class ServiceSettings(BaseSettings, Checked):
 
     @classmethod
     def load(cls, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-             defaults: dict[str, Any] | None = None, **kw: Any):
-        """Settings from ``defaults`` (computed by the caller: what a store holds, say), then an
-        optional YAML file, the environment (``PREFIX__A__B=v``), overrides ``a.b=v``, and ``kw``
-        (explicit flags, highest priority). Raises ConfigError with every problem listed."""
+             defaults: dict[str, Any] | None = None, whole: tuple[str, ...] = (), **kw: Any):
+        """Settings from ``defaults`` (computed by the caller: what a store or a registered pair holds),
+        then an optional YAML file, the environment (``PREFIX__A__B=v``), overrides ``a.b=v``, and
+        ``kw`` (explicit flags, highest priority). A default named in ``whole`` is one unit (a pair's
+        model: its folder and the adapter trained on it): a file, variable, override or flag that sets
+        any part of it replaces it instead of refining it. Raises ConfigError with every problem listed."""
         import os
 
-        # a sub-model's default with fields of its own (server: ServerSettings(port=50052)) is the base
-        # that a file, the environment or a flag setting only some of its keys (server.host) refines
-        data: dict[str, Any] = {name: f.default.model_dump(exclude_unset=True) for name, f in cls.model_fields.items()
-                                if isinstance(f.default, BaseModel) and f.default.model_fields_set}
-        _deep_update(data, copy.deepcopy(defaults or {}))
+        loaded: dict[str, Any] = {}
         if file:
             try:
                 loaded = yaml.safe_load(Path(file).read_text()) or {}
@@ -369,11 +367,21 @@ class ServiceSettings(BaseSettings, Checked):
                                   f"{e.start}); save it as UTF-8 YAML") from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"settings file {file} must hold a mapping at the top level")
-            _deep_update(data, loaded)
         prefix = (cls.model_config.get("env_prefix") or "").lower()
         # each variable's setting path: CONSUMER__SERVER__PORT -> (server, port)
         env = {k: tuple(k[len(prefix):].lower().split("__")) for k in os.environ
                if prefix and k.lower().startswith(prefix)}
+        defaults = copy.deepcopy(defaults or {})
+        given = {*loaded, *(path[0] for path in env.values()), *(o.partition("=")[0].split(".")[0] for o in overrides),
+                 *kw}
+        for key in set(whole) & given:
+            defaults.pop(key, None)
+        # a sub-model's default with fields of its own (server: ServerSettings(port=50052)) is the base
+        # that a file, the environment or a flag setting only some of its keys (server.host) refines
+        data: dict[str, Any] = {name: f.default.model_dump(exclude_unset=True) for name, f in cls.model_fields.items()
+                                if isinstance(f.default, BaseModel) and f.default.model_fields_set}
+        _deep_update(data, defaults)
+        _deep_update(data, loaded)
         # pydantic-settings ignores a variable that names no setting (CONSUMER__MAX_CONCURENT, a typo);
         # one under a setting (CONSUMER__SERVER__PORTT) reaches the model, which refuses it
         problems = [f"{key}: not a known setting ({_env_hint(cls, key, len(prefix))})" for key in sorted(env)

@@ -485,3 +485,49 @@ def test_calibration_settings_are_refused_one_line_each_before_any_model_loads(h
     res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--set", setting])
     assert res.exit_code == 2 and "invalid calibration settings:" in res.output and said_ in res.output, res.output
     assert "errors.pydantic.dev" not in res.output
+
+
+@pytest.fixture()
+def served(monkeypatch):
+    """The settings `scd serve` would serve with (the models are not loaded)."""
+    from tools.cli import serve
+
+    got = []
+    monkeypatch.setattr(serve, "_serve", lambda load, build, s: got.append(s))
+    return got
+
+
+def test_a_pairs_consumer_settings_are_defaults_that_set_and_the_environment_override(home, folders, served,
+                                                                                      monkeypatch, tmp_path):
+    """--set name=..., model.path=..., artifact_store=... beside --pair were dropped without a word:
+    the pair's values were passed as flags, which beat --set."""
+    registry.add("mine", folders["producer"], adapter=folders["adapter"])
+    run = lambda *a: CliRunner().invoke(app, ["serve", "consumer", "--pair", "mine", *a])  # noqa: E731
+    res = run()
+    assert res.exit_code == 0, res.output
+    s = served.pop()
+    assert (s.name, s.model.path, s.model.adapter) == ("mine", folders["producer"], folders["adapter"])
+    res = run("--set", "name=other", "--set", f"model.path={folders['consumer']}", "--set", f"artifact_store={tmp_path}")
+    assert res.exit_code == 0, res.output
+    s = served.pop()
+    # the pair's adapter was trained on its own model: another model does not keep it
+    assert (s.name, s.model.path, s.model.adapter, s.artifact_store) == ("other", folders["consumer"], None,
+                                                                         str(tmp_path))
+    monkeypatch.setenv("CONSUMER__NAME", "from-env")
+    assert run().exit_code == 0 and served.pop().name == "from-env"
+    res = run("--name", "flag", "--set", "name=other")  # a flag beats --set
+    assert res.exit_code == 0 and served.pop().name == "flag", res.output
+    res = run("--set", "name=bad name")  # now checked, not replaced by the pair's name
+    assert res.exit_code != 0 and "bad name" in said(res), res.output
+
+
+def test_a_registered_consumers_tokenizer_and_artifacts_are_defaults_for_the_producer(home, folders, served):
+    registry.add("mine", folders["producer"], folders["consumer"])
+    run = lambda *a: CliRunner().invoke(app, ["serve", "producer", "--consumer", "mine=127.0.0.1:5", *a])  # noqa: E731
+    res = run()
+    assert res.exit_code == 0, res.output
+    s = served.pop()
+    assert s.consumers["mine"].address == "127.0.0.1:5" and s.consumers["mine"].tokenizer == folders["consumer"]
+    res = run("--set", f"consumers.mine.tokenizer={folders['producer']}")
+    assert res.exit_code == 0, res.output
+    assert served.pop().consumers["mine"].tokenizer == folders["producer"]  # was the pair's

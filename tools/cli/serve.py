@@ -116,20 +116,24 @@ def serve_consumer(
                 registry.get(pair)  # raises, with the command that registers it (scd assets for a built-in pair)
             except SCDError as err:
                 fail(f"{err}; or give --model")
-        name = name or e.name
+    # what the pair gives is a default: a file, the environment or --set overrides it, a flag beats all
+    defaults: dict = {}
+    if e is not None:
+        defaults["name"] = e.name
         if model is None:
-            model, adapter = e.consumer_model()
-    extra, defaults = {}, {}
+            pair_model, pair_adapter = e.consumer_model()
+            defaults["model"] = {"path": pair_model, **({"adapter": pair_adapter} if pair_adapter else {})}
     store_dir = Path(store) if store else (e.store_dir() if e else None)
     if quick and store_dir is None:
         from tools.assets.registry import default_store
 
         store_dir = default_store(builtin=True)
     if store_dir is not None:  # serve what the store holds for this consumer, unless the settings list methods
-        extra["artifact_store"] = str(store_dir)
-        defaults["methods"] = served_methods(store_dir, name or "strong")
+        defaults["artifact_store"] = str(store_dir)
+        defaults["methods"] = served_methods(store_dir, name or defaults.get("name") or "strong")
     mod = {"path": model, **({"adapter": adapter} if adapter else {})} if model else None
-    s = _load_settings(ConsumerSettings, config, set_, defaults, name=name, model=mod, server=server or None, **extra)
+    s = _load_settings(ConsumerSettings, config, set_, defaults, name=name, model=mod, server=server or None,
+                       artifact_store=store, whole=("model",))
     _serve(load_engine, build_server, s)
 
 
@@ -148,6 +152,7 @@ def serve_producer(
 
     _note_missing_store(store)
     consumers, producers, offered = {}, set(), ["oracle", "raw", "quant", "scd-reuse", "scd", "auto"]
+    pair_gives: dict = {}  # what a registered pair gives a consumer: a default that a file, variable or --set beats
     for c in consumer:
         if "=" not in c:
             raise typer.BadParameter(f"--consumer {c!r} must look like NAME=HOST:PORT")
@@ -158,7 +163,7 @@ def serve_producer(
         e = _registered(n)
         if e is not None:
             producers.add(e.producer)
-            consumers[n]["tokenizer"] = e.tokenizer
+            pair_gives[n] = {"tokenizer": e.tokenizer}
         if store:
             store_dir = Path(store)
         elif e is not None:
@@ -168,22 +173,23 @@ def serve_producer(
 
             store_dir = default_store(builtin=True)
         if (check_store(store_dir) / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
-            consumers[n]["artifacts"] = str(store_dir / n)  # the pair's artifacts and profiles, when calibrated
+            pair_gives.setdefault(n, {})["artifacts"] = str(store_dir / n)  # its artifacts and profiles, when calibrated
             offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
                         if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
+    defaults: dict = {"methods": offered, **({"consumers": pair_gives} if pair_gives else {})}
     if model is None and not config and not any(o.startswith("model.") for o in set_):
         if len(producers) > 1:
             fail(f"the registered consumers have different producers ({sorted(producers)}); one producer serves "
                  "consumers of one base model: give --model")
         if producers:
-            model = producers.pop()
+            defaults["model"] = {"path": producers.pop()}
         else:
             from tools.assets.models import producer_dir
 
-            model = str(producer_dir())
-    s = _load_settings(ProducerSettings, config, set_, {"methods": offered}, model={"path": model} if model else None,
+            defaults["model"] = {"path": str(producer_dir())}
+    s = _load_settings(ProducerSettings, config, set_, defaults, model={"path": model} if model else None,
                        server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
-                       consumers=consumers or None)
+                       consumers=consumers or None, whole=("model",))
     _serve(load_engine, build_server, s)
 
 
