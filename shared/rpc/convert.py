@@ -21,7 +21,8 @@ def request_from_pb(r: pb.GenerateRequest) -> GenerateRequest:
     which = r.WhichOneof("prompt")
     prompt: str | tuple[int, ...] = r.text if which == "text" else tuple(r.token_ids.ids) if which else ""
     return GenerateRequest(prompt=prompt, consumer=r.consumer, method=r.method, method_params=dict(r.method_params),
-                           sampling=sampling_from_pb(r.sampling), native_prefix=r.native_prefix,
+                           sampling=sampling_from_pb(r.sampling),
+                           native_prefix=r.native_prefix if r.HasField("native_prefix") else True,  # unset: on
                            request_id=r.request_id)
 
 

@@ -54,6 +54,20 @@ def test_openai_client_streams_through_the_http_front(svc, tok):
         oc.completions.create(model="chat", prompt="hello", max_tokens=100000)
 
 
+def test_native_prefix_is_on_unless_a_grpc_request_turns_it_off(svc):
+    """A gRPC request that left the field out got the prefix off (proto3's false), while HTTP, the CLI
+    and the docs say on: the producer sent the prefix's K/V too."""
+    from shared.rpc import scd_pb2 as pb
+
+    def wire(**kw):
+        req = pb.GenerateRequest(text="Describe the sea.", consumer="chat", method="raw",
+                                 sampling=pb.SamplingParams(max_new_tokens=1), **kw)
+        return client.generate(svc.producer_address, req, timeout=60, token=TOKEN).timings.wire_bytes
+
+    unset, on, off = wire(), wire(native_prefix=True), wire(native_prefix=False)
+    assert unset == on < off, (unset, on, off)
+
+
 def test_health_and_metrics_on_both_services(svc):
     gen(svc, consumer="lease", method="raw", max_new_tokens=3)
     h = {"authorization": f"Bearer {TOKEN}"}
