@@ -59,7 +59,7 @@ UNSUPPORTED_WHY = {
     "echo": "echo is not supported (the answer never repeats the prompt)",
     "logprobs": "logprobs are not supported by this server",
     "top_logprobs": "top_logprobs are not supported by this server",
-    "best_of": "best_of above 1 is not supported (one completion per request)",
+    "best_of": "best_of other than 1 is not supported (one completion per request)",
     "suffix": "suffix (insertion) is not supported",
     "presence_penalty": "presence_penalty is not supported (sampling takes temperature, top_p, seed, stop)",
     "frequency_penalty": "frequency_penalty is not supported (sampling takes temperature, top_p, seed, stop)",
@@ -74,10 +74,17 @@ UNSUPPORTED_WHY = {
 }
 
 
+def _no_nulls(data):
+    """null is "not given" in OpenAI's API, in a nested object as in the body."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
     """A last chunk with no choices and the request's ``usage`` (the other chunks' ``usage`` is null)."""
+
+    _nulls = model_validator(mode="before")(_no_nulls)
 
 
 class Body(BaseModel):
@@ -178,6 +185,12 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
+
+    @model_validator(mode="after")
+    def _has_text(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError('a text part holds its text: {"type": "text", "text": "..."}')
+        return self
 
 
 class Message(BaseModel):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import socket
+import sys
 import uuid
 from typing import Any
 
@@ -199,6 +200,9 @@ def _unreadable_body(cause: BaseException | None) -> str:
                 "send one JSON object encoded as UTF-8")
     if isinstance(cause, RecursionError):
         return "the body's JSON is nested too deeply to read; send one JSON object of the request's fields"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):  # valid JSON, Python's limit
+        return (f"the body holds a whole number of more than {sys.get_int_max_str_digits():,} digits, far out of any "
+                "field's range; send each number within its field's range")
     return "the body could not be read as JSON; send one JSON object (Content-Type: application/json)"
 
 

@@ -149,12 +149,31 @@ def test_bad_values_get_a_4xx_with_an_openai_error_body(svc, path, body):
      "prompt: send a string or a list of token ids (whole numbers 0 to 4294967295), one prompt per request (item 1: "),
     ("application/json", b'{"model": "chat", "prompt": "hi there", "stop": 5}', "stop: send a string or a list of "
                                                                                 "strings"),
+    # valid JSON that Python's int() will not read: was "could not be read as JSON"
+    ("application/json", b'{"model": "chat", "prompt": "hi", "max_tokens": ' + b"1" * 5000 + b"}",
+     "a whole number of more than 4,300 digits"),
+    ("application/json", b'{"model": "chat", "prompt": "hi", "user_note": ' + b"9" * 500_000 + b"}",
+     "a whole number of more than 4,300 digits"),
 ])
 def test_a_body_that_is_not_one_json_object_is_told_so(svc, content_type, body, said):
     r = httpx.post(http(svc) + "/v1/completions", headers={**H, "content-type": content_type}, content=body,
                    timeout=60)
     assert r.status_code == 400 and said in r.json()["error"]["message"], r.text[:300]
     assert ".str" not in r.text and "list[" not in r.text  # no union branch's type name
+
+
+def test_null_in_nested_options_is_not_given_and_a_text_part_needs_its_text(svc):
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2, "stream": True,
+                         "stream_options": {"include_usage": None}})  # was a 400: "Input should be a valid boolean"
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[:300]
+    r = httpx.post(http(svc) + "/v1/chat/completions", headers=H, timeout=60,
+                   json={"model": "chat", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text"}]}]})
+    assert r.status_code == 400 and "a text part holds its text" in r.json()["error"]["message"], r.text[:300]
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "best_of": 0})
+    assert r.status_code == 400 and "best_of other than 1" in r.json()["error"]["message"], r.text[:300]
 
 
 def test_method_params_may_be_json_values(svc):
