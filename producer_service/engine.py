@@ -150,6 +150,9 @@ class ProducerEngine(Engine):
     # ------------------------------------------------------------------ requests
     def check_consumers(self, *names: str, param: str | None = None) -> None:
         """NotFound naming the consumers this producer does not know (``param``: the request field)."""
+        if any(not n for n in names):  # proto3's unset string: a request that named no consumer
+            raise InvalidRequest(f"the request names no consumer; set consumer (HTTP: model) to one of "
+                                 f"{sorted(self.settings.consumers)}", param=param)
         unknown = [n for n in names if n not in self.settings.consumers]
         if len(names) == 1 and "," in names[0] and unknown:  # a fan-out is the HTTP API's (model: "a,b")
             raise InvalidRequest(f"consumer {clip(names[0])} names several consumers; a Generate call streams one "

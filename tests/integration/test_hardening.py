@@ -183,6 +183,18 @@ def test_method_params_may_be_json_values(svc):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("consumer", ["", None])
+def test_a_grpc_request_that_names_no_consumer_is_invalid_not_unknown(svc, consumer):
+    from shared.rpc import scd_pb2 as pb
+
+    req = pb.GenerateRequest(text="Hi there", **({} if consumer is None else {"consumer": consumer}))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(client.stream(svc.producer_address, req, timeout=30, token=TOKEN))
+    # was NOT_FOUND "unknown consumer ''"
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "names no consumer" in ei.value.details()
+    assert gen(svc, consumer="same", method="raw", max_new_tokens=1).token_ids
+
+
 def test_a_one_token_prompt_is_served(svc):
     r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60,
                    json={"model": "chat", "prompt": [7], "max_tokens": 3})
