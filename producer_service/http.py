@@ -208,8 +208,14 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
         return _model(name)
 
     def status(e: BaseException, body: Body, chat: bool) -> tuple:
-        """(code, message, param) of an error, its param named as the body calls it."""
-        return (*status_for(e), openai_param(getattr(e, "param", None), body, chat))
+        """(code, message, param) of an error, its param named as the body calls it (in the message too:
+        the consumer's limit on ``max_new_tokens`` is this body's ``max_tokens``)."""
+        code, msg = status_for(e)
+        wire = getattr(e, "param", None)
+        param = openai_param(wire, body, chat)
+        if wire == "max_new_tokens" and param:
+            msg = msg.replace("max_new_tokens=", f"{param}=")
+        return code, msg, param
 
     async def run(body: Body, ids: list[int], chat: bool, request_id: str):
         req = to_request(body, ids, request_id)
