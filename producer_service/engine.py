@@ -11,12 +11,16 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from producer_service.settings import ProducerSettings
 from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, requires, resolve_variant
+from shared.config import field_errors, first_field
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
 from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
+from shared.generation import Sampling
 from shared.model.hf_adapter import PrefillState
 from shared.model.prompt import PromptFormat
 from shared.rpc.wire import PROTOCOL_VERSION
@@ -30,7 +34,9 @@ def check_ids(request_id: str) -> None:
 
 
 def check_sampling(sp) -> None:
-    """Numbers the wire carries in fixed-width fields (the consumer checks them against its limits)."""
+    """Numbers the wire carries in fixed-width fields, then the rules every consumer applies
+    (``Sampling``: temperature, top_p, stop), before the prefill; the consumer checks
+    ``max_new_tokens`` against its own limit."""
     import math
 
     if not 0 <= sp.max_new_tokens < 2**32:
@@ -41,8 +47,11 @@ def check_sampling(sp) -> None:
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(sp, name)):
             raise InvalidRequest(f"{name} must be a finite number", param=name)
-    if len(sp.stop) > 16 or any(len(x) > 256 for x in sp.stop):
-        raise InvalidRequest("send at most 16 stop strings of at most 256 characters", param="stop")
+    try:  # the consumer's own rules (top_p 0 is the wire's "unset": 1)
+        Sampling(temperature=sp.temperature, top_p=sp.top_p or 1.0, stop=tuple(sp.stop))
+    except ValidationError as e:
+        raise InvalidRequest(f"invalid sampling settings: {'; '.join(field_errors(e))}",
+                             param=first_field(e)) from None
 
 
 @contextlib.contextmanager

@@ -33,8 +33,8 @@ class Sampling(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, stop: tuple[str, ...]) -> tuple[str, ...]:
-        if any(not s for s in stop) or len(stop) > 16:
-            raise ValueError("send at most 16 stop strings, none of them empty")
+        if any(not s for s in stop) or len(stop) > 16 or any(len(s) > 256 for s in stop):
+            raise ValueError("send at most 16 stop strings of 1 to 256 characters")
         return stop
 
 

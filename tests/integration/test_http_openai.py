@@ -68,7 +68,9 @@ def test_null_is_the_default_of_every_optional_field(svc, path):
                               "max_tokens": 2, "max_completion_tokens": 2}, None),
     ("/v1/completions", {"temperature": 11}, "invalid sampling settings: temperature: Input should be less than"),
     ("/v1/completions", {"stop": [""]},
-     "invalid sampling settings: stop: send at most 16 stop strings, none of them empty"),
+     "invalid sampling settings: stop: send at most 16 stop strings of 1 to 256 characters"),
+    ("/v1/completions", {"stop": ["x" * 257]},
+     "invalid sampling settings: stop: send at most 16 stop strings of 1 to 256 characters"),
     ("/v1/completions", {"top_p": 0, "temperature": 1.0}, "top_p: Input should be greater than 0"),
     ("/v1/completions", {"method": "raw", "method_params": {"bogus": "1"}},
      "invalid settings for method 'raw': bogus: not a known setting (its settings: dtype"),
@@ -83,6 +85,8 @@ def test_settings_errors_read_as_one_plain_sentence(svc, path, extra, said):
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and said in msg, msg
     assert "pydantic" not in msg and "[type=" not in msg and "validation error for" not in msg, msg
+    # the producer's own check, before its prefill, as every consumer's (not relayed: "consumer 'chat': ...")
+    assert not msg.startswith("consumer"), msg
 
 
 @pytest.mark.parametrize("method,said", [("droidspeak", "transfer method 'droidspeak' is not enabled on this producer"),
