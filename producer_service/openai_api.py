@@ -288,7 +288,11 @@ def client_request_id(header: str | None) -> str:
     if header is None:
         return uuid.uuid4().hex
     if not usable_request_id(header):
-        raise InvalidRequest(f"X-Request-Id must be 1-{MAX_ID_CHARS} printable ASCII characters; got {clip(header)}")
+        try:  # HTTP hands headers over as latin-1: say what the client sent (UTF-8 "é", not "Ã©")
+            said = header.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            said = header
+        raise InvalidRequest(f"X-Request-Id must be 1-{MAX_ID_CHARS} printable ASCII characters; got {clip(said)}")
     return header
 
 

@@ -163,6 +163,9 @@ def test_without_a_request_id_one_is_made_and_a_bad_one_is_refused(svc, caplog):
                        timeout=60, json={"model": "chat", "prompt": "hi there", "max_tokens": 2})
         assert r.status_code == 400 and "X-Request-Id must be 1-128 printable ASCII characters" in \
             r.json()["error"]["message"], r.text[:300]
+    r = httpx.post(http(svc) + "/v1/completions", headers={**H, "X-Request-Id": "é".encode()}, timeout=60,
+                   json={"model": "chat", "prompt": "hi there", "max_tokens": 2})
+    assert r.status_code == 400 and "got 'é'" in r.json()["error"]["message"], r.text[:300]  # was 'Ã©'
 
 
 def test_a_failed_request_is_logged_with_its_outcome(svc, caplog):
