@@ -220,6 +220,21 @@ class ConsumerEngine(Engine):
     async def _next(self, events: AsyncIterator[StreamEvent], deadline: float,
                     record: TransferRecord | None = None) -> StreamEvent:
         """The next event, within the frame lease, the minimum progress rate and the request's deadline."""
+        ev = await self._read(events, deadline, record)
+        if ev is None:
+            raise InvalidPayload("the stream ended before its trailer; frames were lost")
+        return ev
+
+    async def _end(self, events: AsyncIterator[StreamEvent], deadline: float, record: TransferRecord) -> None:
+        """After the trailer: the stream must end there, within the same limits as a frame. A frame
+        after it (which the decoder refuses) is a protocol violation like any other: InvalidPayload."""
+        if await self._read(events, deadline, record, after_trailer=True) is not None:
+            raise InvalidPayload("a frame arrived after the trailer; the trailer must be the last frame of a "
+                                 "request's stream")
+
+    async def _read(self, events: AsyncIterator[StreamEvent], deadline: float, record: TransferRecord | None = None,
+                    after_trailer: bool = False) -> StreamEvent | None:
+        """``_next``'s wait: the next event, or None at the end of the stream."""
         s = self.settings
         lease, left = s.frame_timeout_s, deadline - time.time()
         progress = self._progress_left(record) if record is not None else float("inf")
@@ -239,12 +254,16 @@ class ConsumerEngine(Engine):
         if err is None:
             return ev
         if isinstance(err, StopAsyncIteration):
-            raise InvalidPayload("the stream ended before its trailer; frames were lost") from None
+            return None
         if left <= min(lease, progress):
             raise TimeoutError("the request's deadline passed while waiting for frames; request aborted and "
                                "its memory freed") from None
         if record is not None and self._progress_left(record) <= 0:
             raise TimeoutError(self._slow(record)) from None
+        if after_trailer:
+            raise TimeoutError(f"the stream did not end within {lease:g} s (frame_timeout_s) of its trailer: the "
+                               "sender must close its side after the trailer; request aborted and its memory freed"
+                               ) from None
         raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
                            ) from None
 
@@ -262,6 +281,9 @@ class ConsumerEngine(Engine):
             raise InvalidPayload("the stream must start with its header")
         h = first.header
         record.method = h.method if h.method in CODECS else "unknown"
+        # 0: no deadline of its own. The decoder refused a non-finite or negative one; a far-future one is
+        # capped here by the consumer's own (the call's gRPC deadline, or when the call has none
+        # max_queue_wait_s + 4 x frame_timeout_s: see the servicer)
         if h.deadline_unix:
             deadline = min(deadline, h.deadline_unix)
         req = self.open(h)
@@ -274,19 +296,27 @@ class ConsumerEngine(Engine):
         s = self.settings
         wait = max(0.0, min(s.max_queue_wait_s, deadline - time.time()))
         async with self.admission.slot(self.cache_estimate(req), wait):
-            drain = None
+            drain = end = None
             if req.fallback:  # the frames are verified and dropped while the consumer prefills itself
                 drain = asyncio.create_task(self._drain(events, deadline, record))
             else:
                 await self._reconstruct(req, events, deadline, hold, record)
+                # the trailer must end the stream: its end is awaited while decoding, and before the final
+                # event (a frame after the trailer fails the request, its memory and slot freed)
+                end = asyncio.create_task(self._end(events, deadline, record))
             try:
                 async for ev in self._decode(req, deadline):
+                    if end is not None and (end.done() or ev.timings is not None):
+                        await end  # raises what came after the trailer
                     yield ev
                 if drain is not None:  # the answer is out; the call ends once the producer has sent it all
                     await drain
             finally:
-                if drain is not None:
-                    drain.cancel()
+                for task in (drain, end):
+                    if task is not None:
+                        task.cancel()
+                        if task.done() and not task.cancelled():
+                            task.exception()  # retrieved: a fault after another one is not logged as unhandled
 
     async def _drain(self, events, deadline: float, record: TransferRecord) -> None:
         """Read the rest of a stream the consumer does not use, so that the producer's call ends
@@ -294,8 +324,9 @@ class ConsumerEngine(Engine):
         try:
             while not isinstance(await self._next(events, deadline, record), TrailerReceived):
                 pass
+            await self._end(events, deadline, record)
         except Exception as e:  # noqa: BLE001 - logged; the request is served from the consumer's own prefill
-            log.info("request %s: the unused stream ended early (%s)", record.method, e)
+            log.info("request %s: the unused stream ended early or broke the protocol (%s)", record.method, e)
 
     async def _reconstruct(self, req: Request, events, deadline: float, hold: bool, record: TransferRecord) -> None:
         """A reader task pulls layers into a bounded queue while this loop reconstructs them on the

@@ -217,8 +217,10 @@ class FrameDecoder:
 
     def feed(self, frame: pb.KVFrame) -> StreamEvent | None:
         kind = frame.WhichOneof("body")
-        if self.done:
-            raise InvalidPayload("frame received after the trailer")
+        if self.done:  # the trailer ends the stream: nothing may follow it
+            what = f"a {kind} frame" if kind else "an empty frame"
+            raise InvalidPayload(f"a frame arrived after the trailer ({what}); the trailer must be the last frame of "
+                                 "a request's stream")
         if kind is None:
             raise InvalidPayload("empty frame: expected a header, chunk or trailer")
         if kind == "header":
@@ -227,6 +229,11 @@ class FrameDecoder:
             if frame.header.n_layers > self.limits.max_layers:
                 raise InvalidPayload(f"header declares {frame.header.n_layers} layers; at most "
                                      f"{self.limits.max_layers}")
+            d = frame.header.deadline_unix  # NaN compares false with everything: no deadline check would fire
+            if not math.isfinite(d) or d < 0:
+                raise InvalidPayload(f"header deadline_unix={d!r}: it must be a finite unix time in seconds (the "
+                                     "request's absolute deadline, e.g. time.time() + its timeout), or 0 for none",
+                                     param="deadline_unix")
             self.header = header_from_pb(frame.header)
             return HeaderReceived(self.header)
         if self.header is None:

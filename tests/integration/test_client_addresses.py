@@ -152,3 +152,17 @@ def test_scd_generate_reads_its_tls_ca_before_it_calls(tmp_path, content, said):
     res = CliRunner().invoke(app, ["generate", "hi", "--producer", f"127.0.0.1:{_closed_port()}",
                                    "--tls-ca", str(path)])
     assert res.exit_code == 2 and said in " ".join(res.output.replace("│", " ").split()), res.output
+
+
+def test_scd_generate_says_an_error_on_its_own_line_and_after_streamed_text(svc):
+    """An error that came before any text began with a blank line."""
+    from typer.testing import CliRunner
+
+    from tools.cli import app
+
+    closed = f"127.0.0.1:{_closed_port()}"
+    res = CliRunner().invoke(app, ["generate", "hi", "--producer", closed, "--timeout", "5"])
+    assert res.exit_code == 1 and res.output.startswith(f"error: {closed} refuses connections"), repr(res.output)
+    res = CliRunner().invoke(app, ["generate", "hi", "--producer", svc.producer_address, "--consumer", "nope",
+                                   "--token", TOKEN])
+    assert res.exit_code == 1 and res.output.startswith("error: NOT_FOUND: unknown consumer 'nope'"), repr(res.output)

@@ -273,7 +273,7 @@ def test_an_error_names_the_field_at_fault_as_openai_does(svc, path, body, param
     with pytest.raises(openai.APIStatusError) as ei:
         oc.post(path.removeprefix("/v1"), body=body, cast_to=object)
     assert ei.value.status_code in (400, 404) and ei.value.body["param"] == param, ei.value.body
-    if param.startswith("max_") and body[param] > 1:  # a consumer's limit: in the body's words (it said max_new_tokens=...)
+    if param.startswith("max_") and body[param] > 1:  # a consumer's limit, in the body's words (was max_new_tokens=)
         assert f"{param}=" in ei.value.body["message"] and "max_new_tokens" not in ei.value.body["message"]
 
 

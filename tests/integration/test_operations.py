@@ -50,7 +50,7 @@ def test_openai_client_streams_through_the_http_front(svc, tok):
 
     with pytest.raises(openai.NotFoundError, match="unknown consumer"):
         oc.completions.create(model="nope", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens=100000; this consumer allows at most"):
         oc.completions.create(model="chat", prompt="hello", max_tokens=100000)
 
 

@@ -507,7 +507,8 @@ def test_a_pairs_consumer_settings_are_defaults_that_set_and_the_environment_ove
     assert res.exit_code == 0, res.output
     s = served.pop()
     assert (s.name, s.model.path, s.model.adapter) == ("mine", folders["producer"], folders["adapter"])
-    res = run("--set", "name=other", "--set", f"model.path={folders['consumer']}", "--set", f"artifact_store={tmp_path}")
+    res = run("--set", "name=other", "--set", f"model.path={folders['consumer']}",
+              "--set", f"artifact_store={tmp_path}")
     assert res.exit_code == 0, res.output
     s = served.pop()
     # the pair's adapter was trained on its own model: another model does not keep it

@@ -173,7 +173,7 @@ def serve_producer(
 
             store_dir = default_store(builtin=True)
         if (check_store(store_dir) / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
-            pair_gives.setdefault(n, {})["artifacts"] = str(store_dir / n)  # its artifacts and profiles, when calibrated
+            pair_gives.setdefault(n, {})["artifacts"] = str(store_dir / n)  # its artifacts and profiles
             offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
                         if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
     defaults: dict = {"methods": offered, **({"consumers": pair_gives} if pair_gives else {})}
@@ -259,12 +259,19 @@ def generate(
         except ConfigError as e:
             raise typer.BadParameter(str(e)) from None
 
+    midline: set[str] = set()  # answers streamed onto the terminal's line: an error goes on the next one
+
     def one(name: str, stream_out: bool):
         req = client.request(prompt, name, method, max_new_tokens, temperature, top_p, tuple(stop), seed,
                              native_prefix, params)
-        show = (lambda ev: print(ev.text, end="", flush=True)) if stream_out else None
+
+        def show(ev) -> None:
+            print(ev.text, end="", flush=True)
+            if ev.text:
+                midline.add(name)
         try:
-            return client.generate(producer, req, timeout, on_event=show, token=token, root_certificates=ca)
+            return client.generate(producer, req, timeout, on_event=show if stream_out else None, token=token,
+                                   root_certificates=ca)
         except grpc.RpcError as e:
             return e
 
@@ -282,7 +289,7 @@ def generate(
             if not isinstance(res, grpc.RpcError):
                 print(res.text, end="")
         if isinstance(res, grpc.RpcError):
-            typer.echo(f"\nerror: {client.explain(producer, res, ca)}", err=True)
+            typer.echo(f"{chr(10) if name in midline else ''}error: {client.explain(producer, res, ca)}", err=True)
             failed = True
             continue
         t = res.timings
