@@ -274,7 +274,8 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                 if chat:
                     yield sse({"id": rid, "object": chunk_obj, "created": created, "model": body.model,
                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None}], **({"usage": None} if body.include_usage else {})})
+                                            "finish_reason": None, "logprobs": None}],
+                               **({"usage": None} if body.include_usage else {})})
                 ev, used = first, None
                 try:
                     while ev is not None:

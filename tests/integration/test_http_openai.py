@@ -320,6 +320,18 @@ def test_stream_options_include_usage_ends_the_stream_with_a_usage_chunk(svc, pa
     assert '"choices": []' not in plain and '"completion_tokens": 3' in plain, plain[-600:]
 
 
+@pytest.mark.parametrize("model", ["chat", "chat,same"])
+def test_every_streamed_chat_choice_has_the_same_keys(svc, model):
+    """The role chunk's choice had no ``logprobs`` key; every other chunk's has it (null)."""
+    import json
+
+    r = httpx.post(http(svc) + "/v1/chat/completions", headers=H, timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+    choices = [c for x in r.text.splitlines() if x.startswith("data: {") for c in json.loads(x[6:])["choices"]]
+    assert len(choices) >= 3 and all({"index", "delta", "finish_reason", "logprobs"} <= set(c) for c in choices), \
+        choices  # (a fan-out's choices also name their model)
+
+
 def test_stream_options_include_usage_sums_a_fan_out(svc):
     r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60, json={
         "model": "chat,same", "prompt": PROMPT, "max_tokens": 2, "stream": True, "native_prefix": False,
