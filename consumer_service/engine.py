@@ -70,6 +70,7 @@ class TransferRecord:
     fallback: str = ""
     schema: Callable[[int], Schema] | None = None
     bytes_in: int = 0
+    prompt_tokens: int | None = None  # from the header: the request log's, when no final timings came
     waited_s: float = 0.0  # time spent waiting for frames (not reconstructing), since data_from
     data_from: float | None = None
     """When the first frame after the header arrived (``time.perf_counter``). The producer sends its

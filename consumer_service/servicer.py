@@ -51,6 +51,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
                 if isinstance(ev, HeaderReceived):
                     record.method = ev.header.method if ev.header.method in CODECS else "unknown"
                     record.request_id = ev.header.request_id
+                    record.prompt_tokens = len(ev.header.prompt_ids)
                 size = frame.ByteSize()
                 if record.data_from is None and not isinstance(ev, HeaderReceived) and frame.HasField("chunk"):
                     record.data_from = time.perf_counter()  # the stream's data begins (the producer has prefilled)
@@ -73,7 +74,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
         md = dict(context.invocation_metadata() or ())
         hold = s.bench.hold_layers and md.get(BENCH_HOLD_METADATA) == "1"
         deadline = time.time() + (context.time_remaining() or s.max_queue_wait_s + s.frame_timeout_s * 4)
-        outcome, t0, first, last = "cancelled", time.perf_counter(), None, None
+        outcome, t0, first, last, sent = "cancelled", time.perf_counter(), None, None, 0
         task = asyncio.current_task()
         if task is not None:
             self._active.add(task)
@@ -83,6 +84,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
                 async for ev in events:
                     first = first or time.perf_counter()
                     last = ev.timings or last
+                    sent += 1
                     yield convert.event_to_pb(ev)
             outcome = "ok"
         except asyncio.CancelledError:
@@ -106,8 +108,9 @@ class ConsumerServicer(pbg.ConsumerServicer):
             self.metrics.requests.labels(record.method, outcome, record.fallback or "none").inc()
             if s.access_log:
                 log_request(record.request_id or "-", method=record.method, outcome=outcome,
-                            fallback=record.fallback or "none", prompt_tokens=last.prompt_tokens if last else "-",
-                            completion_tokens=last.completion_tokens if last else "-",
+                            fallback=record.fallback or "none",  # an aborted answer: what was known and sent
+                            prompt_tokens=last.prompt_tokens if last else record.prompt_tokens or "-",
+                            completion_tokens=last.completion_tokens if last else sent if first else "-",
                             ttft_ms=(first - t0) * 1e3 if first else "-", bytes_in=record.bytes_in,
                             reconstruct_ms=last.reconstruct_ms if last else "-",
                             total_ms=(time.perf_counter() - t0) * 1e3)

@@ -208,10 +208,11 @@ class ProducerServicer(pbg.ProducerServicer):
         method = method.partition(":")[0]  # the kind of a method with settings (scd:block_tokens=0.35)
         if method not in self.engine.settings.methods:  # a bounded set of metric labels
             method = "unknown"
-        t0, first, last = time.perf_counter(), None, None
+        t0, first, last, sent = time.perf_counter(), None, None, 0
         try:
             async for ev in self._generate(request, time_remaining, hold):
                 first = first or time.perf_counter()
+                sent += 1
                 if ev.timings is not None:
                     last = ev.timings
                     fallback = "recompute" if last.fallback_recompute else fallback
@@ -226,7 +227,7 @@ class ProducerServicer(pbg.ProducerServicer):
             if self.engine.settings.access_log:
                 log_request(request.request_id, consumer=request.consumer, method=last.method if last else method,
                             outcome=outcome, prompt_tokens=last.prompt_tokens if last else "-",
-                            completion_tokens=last.completion_tokens if last else "-",
+                            completion_tokens=last.completion_tokens if last else sent if first else "-",
                             ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=last.wire_bytes if last else "-",
                             total_ms=(time.perf_counter() - t0) * 1e3)
 

@@ -66,7 +66,7 @@ def test_corrupted_frame_is_data_loss_and_nothing_else_is_affected(svc):
     wait_for(lambda: idle(svc, "same"), what="the consumer to hold nothing")
 
 
-def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch):
+def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch, caplog):
     """The consumer's decoding is held after its second token until the client has gone, so the
     request cannot finish first (a fast tiny model could write all its tokens ahead of a slow client)."""
     from shared.generation import Generator
@@ -80,6 +80,7 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch)
         return out
 
     monkeypatch.setattr(Generator, "step", gated)
+    caplog.set_level("INFO", logger="scd.access")
     pm, cs = svc._servicer.metrics, cons(svc, "same")
     cancelled = cs.metrics.value("requests_total", method="raw", outcome="cancelled", fallback="none")
     req = client.request(PROMPT, consumer="same", method="raw", max_new_tokens=4000)
@@ -91,6 +92,13 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch)
     gates[4000].set()
     wait_for(lambda: idle(svc, "same") and pm.value("inflight_requests") == 0, what="both sides to free")
     assert cs.metrics.value("requests_total", method="raw", outcome="cancelled", fallback="none") == cancelled + 1
+    # the request log says what was known and sent (it said prompt_tokens=- completion_tokens=-)
+    def logged(*having: str, lacking: str = "completion_tokens=-") -> bool:  # written just after the slot is freed
+        return any(all(h in m for h in having) and lacking not in m for r in caplog.records if r.name == "scd.access"
+                   for m in [r.getMessage()] if "outcome=cancelled" in m)
+
+    wait_for(lambda: logged(f"prompt_tokens={len(PROMPT)} ", "bytes_in="), what="the consumer's request log")
+    wait_for(lambda: logged("consumer=same"), what="the producer's request log")
 
     # the same through the HTTP front: the client reads one event and hangs up
     body = {"model": "same", "prompt": PROMPT, "max_tokens": 3999, "stream": True, "method": "raw"}
