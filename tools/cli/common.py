@@ -157,8 +157,10 @@ def served_methods(store_dir: Path, name: str) -> list[str]:
     kinds = ("oracle", "raw", "quant", "scd-reuse", "scd", "spectrum", "droidspeak", "ridge")
     short = uncalibrated(kinds, store_dir, name)
     if "scd" in short:
-        typer.echo(f"note: no SCD artifacts for consumer {name!r} in {store_dir} (run `scd calibrate --pair {name}`): "
-                   "scd is not served", err=True)
+        import shlex
+
+        typer.echo(f"note: no SCD artifacts for consumer {name!r} in {store_dir} (run `scd calibrate --pair "
+                   f"{shlex.quote(name)}`): scd is not served", err=True)
     return [k for k in kinds if k not in short]
 
 
