@@ -113,6 +113,11 @@ def run(entry, methods: tuple[str, ...] = ("oracle", "raw", "scd"), max_new_toke
               "by many requests, so a\nmethod's TTFT is its transfer and reconstruction. Both services share this "
               "machine's CPU here; `scd bench`\nmeasures them over a rate-limited link, `scd eval` each method's "
               "quality (README).")
+        oracle = results.get("oracle")
+        if item.answer and oracle is not None and oracle.text.strip() != item.answer.strip():
+            print("The Oracle's answer is the fine-tuned model's own (it prefills the prompt itself): where it differs "
+                  "from the\ngold answer, the model differs, not the transfer; a transfer is right when it "
+                  "answers as the Oracle does.")
     finally:
         stop(procs)
     alive = [p.pid for p in procs if p.poll() is None]
