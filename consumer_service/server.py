@@ -16,7 +16,9 @@ def load_engine(settings: ConsumerSettings) -> ConsumerEngine:
 
     path = Path(settings.model.path).expanduser()
     model = load_model(path, settings.model.device, settings.model.torch_dtype(), settings.model.adapter)
-    return ConsumerEngine(settings, model, load_tokenizer(path, required=False))
+    tok = settings.tokenizer
+    return ConsumerEngine(settings, model, load_tokenizer(Path(tok).expanduser(), required=True) if tok else
+                          load_tokenizer(path, required=False))
 
 
 def build_server(engine: ConsumerEngine) -> GRPCServer:

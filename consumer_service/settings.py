@@ -34,6 +34,10 @@ class ConsumerSettings(ServiceSettings):
         return v
 
     model: ModelSettings
+    tokenizer: str | None = None
+    """A folder whose tokenizer and chat template this consumer reads its prompts with (its stop tokens,
+    the template prefix of ``native_prefix``); default: ``model.path``'s when it has one. A registered
+    pair gives its own (the producer's when the consumer's folder has none)."""
     server: ServerSettings = ServerSettings(port=50052)
     artifact_store: str | None = None
     """Artifact store directory (local or a mounted shared volume); the pair's artifacts are read

@@ -108,11 +108,18 @@ class _Inflight:
     waiters: int = 0
 
 
-def calibrate_hint(consumer: str, how: str = "") -> str:
-    """What makes a consumer's missing artifacts or profile, and how this producer then reads them (at
-    start: it said only to set the folder, which a registered pair's producer finds itself)."""
-    return (f"run `scd calibrate --pair {consumer}{how}`, then restart the producer (it reads a registered "
-            f"pair's store when it starts; for another consumer set consumers.{consumer}.artifacts)")
+def calibrate_how(kind: str) -> str:
+    """The options of `scd calibrate --pair NAME` that make what ``kind`` needs (SCD's artifacts: none)."""
+    return "" if kind in ("scd", "scd-reuse") else f" --method {kind}"
+
+
+def calibrate_hint(consumer: str, *hows: str) -> str:
+    """What makes a consumer's missing artifacts or profiles (``hows``: each command's options), and how
+    this producer then reads them (at start: it said only to set the folder, which a registered
+    pair's producer finds itself)."""
+    runs = " and ".join(f"`scd calibrate --pair {consumer}{how}`" for how in dict.fromkeys(hows or ("",)))
+    return (f"run {runs}, then restart the producer (it reads a registered pair's store when it starts; for "
+            f"another consumer set consumers.{consumer}.artifacts)")
 
 
 class ProducerEngine(Engine):
@@ -136,7 +143,8 @@ class ProducerEngine(Engine):
             short = [m for m in settings.methods if m not in self.servable(name)]
             if short:
                 log.warning("consumer %r has no calibration for %s: requests for %s are refused; %s.%s", name,
-                            ", ".join(short), "them" if len(short) > 1 else "it", calibrate_hint(name),
+                            ", ".join(short), "them" if len(short) > 1 else "it",
+                            calibrate_hint(name, *map(calibrate_how, short)),
                             f" The default method {settings.default_method!r} is one of them: a request that names "
                             "no method is refused too" if settings.default_method in short else "")
 
@@ -248,7 +256,7 @@ class ProducerEngine(Engine):
 
     def _refuse_uncalibrated(self, kind: str, consumer: str, defaulted: bool) -> None:
         what = "the operating table" if kind == "auto" else "calibration artifacts"
-        how = "" if kind in ("scd", "scd-reuse") else f" --method {kind}"  # it said `scd calibrate --pair NAME `
+        how = calibrate_how(kind)
         if defaulted:  # the request named no method: the client can name one the consumer is served
             raise PreconditionFailed(
                 f"the request names no method and the producer's default, {kind!r}, needs {what} for consumer "

@@ -348,12 +348,14 @@ class ServiceSettings(BaseSettings, Checked):
 
     @classmethod
     def load(cls, file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-             defaults: dict[str, Any] | None = None, whole: tuple[str, ...] = (), **kw: Any):
+             defaults: dict[str, Any] | None = None, whole: dict[str, tuple[str, ...]] | None = None, **kw: Any):
         """Settings from ``defaults`` (computed by the caller: what a store or a registered pair holds),
         then an optional YAML file, the environment (``PREFIX__A__B=v``), overrides ``a.b=v``, and
-        ``kw`` (explicit flags, highest priority). A default named in ``whole`` is one unit (a pair's
-        model: its folder and the adapter trained on it): a file, variable, override or flag that sets
-        any part of it replaces it instead of refining it. Raises ConfigError with every problem listed."""
+        ``kw`` (explicit flags, highest priority). ``whole`` maps a setting to the defaults that go
+        with it (``{"model.path": ("model", "tokenizer")}``: a pair's model is its folder, the adapter
+        trained on it and its tokenizer): a file, variable, override or flag that sets it drops those
+        defaults, while the section's other settings (``model.dtype``) refine them. Raises ConfigError
+        with every problem listed."""
         import os
 
         loaded: dict[str, Any] = {}
@@ -372,10 +374,13 @@ class ServiceSettings(BaseSettings, Checked):
         env = {k: tuple(k[len(prefix):].lower().split("__")) for k in os.environ
                if prefix and k.lower().startswith(prefix)}
         defaults = copy.deepcopy(defaults or {})
-        given = {*loaded, *(path[0] for path in env.values()), *(o.partition("=")[0].split(".")[0] for o in overrides),
-                 *kw}
-        for key in set(whole) & given:
-            defaults.pop(key, None)
+        for unit, goes_with in (whole or {}).items():
+            section, _, key = unit.partition(".")
+            if any(_sets(source, section, key) for source in (loaded, kw)) or any(
+                    path in ((section,), (section, key)) for path in env.values()) or any(
+                    o.partition("=")[0].strip() in (section, unit) for o in overrides):  # --set model=...: replaced
+                for name in goes_with:
+                    defaults.pop(name, None)
         # a sub-model's default with fields of its own (server: ServerSettings(port=50052)) is the base
         # that a file, the environment or a flag setting only some of its keys (server.host) refines
         data: dict[str, Any] = {name: f.default.model_dump(exclude_unset=True) for name, f in cls.model_fields.items()
@@ -406,6 +411,12 @@ class ServiceSettings(BaseSettings, Checked):
             lines = "\n".join(f"  {line}" for line in problems)
             raise ConfigError(f"invalid {cls.__name__}:\n{lines}") from None
         return settings
+
+
+def _sets(source: dict, section: str, key: str) -> bool:
+    """Whether a mapping of settings sets ``section.key`` (or the whole ``section`` as something else)."""
+    value = source.get(section)
+    return value is not None and (not isinstance(value, dict) or key in value)
 
 
 def _takes_text(model: type[BaseModel], path: list[str]) -> bool:

@@ -179,7 +179,9 @@ def test_a_producer_says_which_methods_an_uncalibrated_consumer_is_refused_and_w
         engine = ProducerEngine(s, base)
     said = caplog.text
     assert "consumer 'fresh' has no calibration for scd-reuse, scd, auto: requests for them are refused" in said
-    assert "The default method 'scd' is one of them" in said and "run `scd calibrate --pair fresh`" in said
+    assert "The default method 'scd' is one of them" in said
+    # each command that makes them (auto's table is --method auto: it said `scd calibrate --pair fresh` only)
+    assert "run `scd calibrate --pair fresh` and `scd calibrate --pair fresh --method auto`, then restart" in said
     assert engine.servable("fresh") == ["oracle", "raw", "quant"]
     with pytest.raises(PreconditionFailed) as e:
         engine.prepare(GenerateRequest(prompt=tuple(PROMPT), consumer="fresh"))

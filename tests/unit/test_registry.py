@@ -506,14 +506,23 @@ def test_a_pairs_consumer_settings_are_defaults_that_set_and_the_environment_ove
     res = run()
     assert res.exit_code == 0, res.output
     s = served.pop()
-    assert (s.name, s.model.path, s.model.adapter) == ("mine", folders["producer"], folders["adapter"])
+    e = registry.get("mine")
+    assert (s.name, s.model.path, s.model.adapter, s.tokenizer) == ("mine", folders["producer"], folders["adapter"],
+                                                                    e.tokenizer)
+    res = run("--set", "model.dtype=bfloat16")  # refines the pair's model (was "model.path: Field required")
+    assert res.exit_code == 0, res.output
+    s = served.pop()
+    assert (s.model.path, s.model.adapter, s.model.dtype) == (folders["producer"], folders["adapter"], "bfloat16")
+    monkeypatch.setenv("CONSUMER__MODEL__DTYPE", "bfloat16")
+    assert run().exit_code == 0 and served.pop().model.adapter == folders["adapter"]
+    monkeypatch.delenv("CONSUMER__MODEL__DTYPE")
     res = run("--set", "name=other", "--set", f"model.path={folders['consumer']}",
               "--set", f"artifact_store={tmp_path}")
     assert res.exit_code == 0, res.output
     s = served.pop()
-    # the pair's adapter was trained on its own model: another model does not keep it
-    assert (s.name, s.model.path, s.model.adapter, s.artifact_store) == ("other", folders["consumer"], None,
-                                                                         str(tmp_path))
+    # the pair's adapter (and tokenizer) go with its own model: another model does not keep them
+    assert (s.name, s.model.path, s.model.adapter, s.tokenizer, s.artifact_store) == (
+        "other", folders["consumer"], None, None, str(tmp_path))
     monkeypatch.setenv("CONSUMER__NAME", "from-env")
     assert run().exit_code == 0 and served.pop().name == "from-env"
     res = run("--name", "flag", "--set", "name=other")  # a flag beats --set
@@ -532,3 +541,36 @@ def test_a_registered_consumers_tokenizer_and_artifacts_are_defaults_for_the_pro
     res = run("--set", f"consumers.mine.tokenizer={folders['producer']}")
     assert res.exit_code == 0, res.output
     assert served.pop().consumers["mine"].tokenizer == folders["producer"]  # was the pair's
+    res = run("--set", "model.dtype=bfloat16")  # refines the pairs' producer model (was served without it)
+    assert res.exit_code == 0, res.output
+    s = served.pop()
+    assert (s.model.path, s.model.dtype) == (folders["producer"], "bfloat16")
+    res = run("--set", f"model.path={folders['consumer']}")
+    assert res.exit_code == 0 and served.pop().model.path == folders["consumer"], res.output
+
+
+def test_a_consumer_folder_without_a_tokenizer_is_served_with_its_pairs(home, folders, tmp_path):
+    """`scd pair add` takes the producer's tokenizer for such a folder, and eval used it; the consumer
+    service read the model folder only, so it had no chat-template prefix nor stop tokens."""
+    import shutil
+
+    from consumer_service.server import load_engine
+    from consumer_service.settings import ConsumerSettings
+    from shared.model.loading import has_tokenizer
+
+    bare = tmp_path / "ft-no-tokenizer"
+    shutil.copytree(folders["consumer"], bare)
+    for f in bare.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            f.unlink()
+    assert not has_tokenizer(bare)
+    e = registry.add("bare", folders["producer"], bare)
+    assert e.tokenizer == folders["producer"]
+    raw = ["methods=[raw]"]
+    no_tok = load_engine(ConsumerSettings.load(overrides=[f"model.path={bare}", *raw]))
+    with_tok = load_engine(ConsumerSettings.load(overrides=[f"model.path={bare}", f"tokenizer={e.tokenizer}", *raw]))
+    try:
+        assert no_tok.tokenizer is None and with_tok.tokenizer is not None
+    finally:
+        no_tok.close()
+        with_tok.close()

@@ -53,15 +53,15 @@ def _serve(load_engine, build_server, settings) -> None:
         fail(str(e))
 
 
-def _load_settings(cls, config, overrides, defaults=None, **kw):
+def _load_settings(cls, config, overrides, defaults=None, hint: str = "", **kw):
     """Settings from ``defaults`` (what the store holds), the file, the environment, ``--set``, then
-    the explicit flags in ``kw`` (None: not given)."""
+    the explicit flags in ``kw`` (None: not given); ``hint``: said when no model folder was given."""
     from shared.errors import ConfigError
 
     try:
         return cls.load(config, overrides, defaults=defaults, **{k: v for k, v in kw.items() if v is not None})
     except ConfigError as e:
-        fail(str(e))
+        fail(f"{hint}\n{e}" if hint and "model.path: Field required" in str(e) else str(e))
 
 
 def _registered(name: str):
@@ -123,6 +123,7 @@ def serve_consumer(
         if model is None:
             pair_model, pair_adapter = e.consumer_model()
             defaults["model"] = {"path": pair_model, **({"adapter": pair_adapter} if pair_adapter else {})}
+            defaults["tokenizer"] = e.tokenizer  # the consumer's folder's, else the producer's (scd pair add)
     store_dir = Path(store) if store else (e.store_dir() if e else None)
     if quick and store_dir is None:
         from tools.assets.registry import default_store
@@ -133,7 +134,7 @@ def serve_consumer(
         defaults["methods"] = served_methods(store_dir, name or defaults.get("name") or "strong")
     mod = {"path": model, **({"adapter": adapter} if adapter else {})} if model else None
     s = _load_settings(ConsumerSettings, config, set_, defaults, name=name, model=mod, server=server or None,
-                       artifact_store=store, whole=("model",))
+                       artifact_store=store, whole={"model.path": ("model", "tokenizer")})
     _serve(load_engine, build_server, s)
 
 
@@ -177,10 +178,7 @@ def serve_producer(
             offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
                         if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
     defaults: dict = {"methods": offered, **({"consumers": pair_gives} if pair_gives else {})}
-    if model is None and not config and not any(o.startswith("model.") for o in set_):
-        if len(producers) > 1:
-            fail(f"the registered consumers have different producers ({sorted(producers)}); one producer serves "
-                 "consumers of one base model: give --model")
+    if model is None and len(producers) <= 1:  # a default: a file, variable or --set model.path beats it
         if producers:
             defaults["model"] = {"path": producers.pop()}
         else:
@@ -189,7 +187,9 @@ def serve_producer(
             defaults["model"] = {"path": str(producer_dir())}
     s = _load_settings(ProducerSettings, config, set_, defaults, model={"path": model} if model else None,
                        server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
-                       consumers=consumers or None, whole=("model",))
+                       consumers=consumers or None, whole={"model.path": ("model",)},
+                       hint=(f"the registered consumers have different producers ({sorted(producers)}); one producer "
+                             "serves consumers of one base model: give --model") if len(producers) > 1 else "")
     _serve(load_engine, build_server, s)
 
 
