@@ -5,6 +5,7 @@ back silently. Nothing is pickled."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -62,7 +63,13 @@ def save(store: str | Path, meta: ArtifactMeta, producer: dict[str, torch.Tensor
         if final.exists():
             old = store / f".{meta.pair}.old"
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
+            try:
+                os.rename(final, old)
+            except OSError as e:
+                if e.errno not in (errno.EBUSY, errno.EXDEV):
+                    raise
+                _replace_files(tmp, final, (*files, "meta.json"))  # a volume mounted at <store>/<pair>
+                return final
         os.rename(tmp, final)
         if old:
             shutil.rmtree(old, ignore_errors=True)
@@ -70,6 +77,18 @@ def save(store: str | Path, meta: ArtifactMeta, producer: dict[str, torch.Tensor
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _replace_files(tmp: Path, final: Path, names) -> None:
+    """``final`` cannot be renamed (a mount point): each file is copied in beside its old one and
+    renamed over it, meta.json last. A reader meanwhile may find a file whose hash its meta.json does
+    not list (DataLoss: "recalibrate"), never a mix it takes for valid."""
+    for name in names:
+        part = final / f".{name}.part"
+        shutil.copyfile(tmp / name, part)
+        shutil.copymode(tmp / name, part)
+        os.replace(part, final / name)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_meta(folder: str | Path) -> ArtifactMeta:

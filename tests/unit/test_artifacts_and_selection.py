@@ -1,6 +1,7 @@
 """Artifacts round-trip and refuse tampering; selection finds a planted sensitive layer."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -70,6 +71,24 @@ def test_rewrite_is_atomic_and_leaves_no_temp(tmp_path):
     store.save(tmp_path, _meta(r_k=3), {"a": torch.zeros(1)}, {"b": torch.ones(1)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
     assert json.loads((tmp_path / "p" / "meta.json").read_text())["r_k"] == 3
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind-mounting a folder needs root")
+def test_a_pairs_folder_that_is_a_mount_point_is_rewritten_in_place(tmp_path):
+    """A volume mounted at <store>/<pair> cannot be renamed: a whole calibration ended in EBUSY."""
+    import subprocess
+
+    store.save(tmp_path, _meta(), {"a": torch.ones(1)}, {"b": torch.ones(1)})
+    folder = tmp_path / "p"
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    try:
+        store.save(tmp_path, _meta(r_k=3), {"a": torch.zeros(1)}, {"b": torch.ones(1)})
+        assert json.loads((folder / "meta.json").read_text())["r_k"] == 3
+        assert sorted(p.name for p in folder.iterdir()) == ["consumer.safetensors", "meta.json",
+                                                           "producer.safetensors"]  # no temporary folder left
+        assert store.load_meta(folder).r_k == 3
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_written_artifacts_are_readable_by_other_users(tmp_path):
