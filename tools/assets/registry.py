@@ -365,6 +365,21 @@ def json_object(path: Path) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
+PROFILE_KINDS = ("spectrum", "droidspeak", "ridge", "auto")
+"""The profiles a pair may have beside its SCD artifacts (``<store>/<pair>.<kind>.json``): the
+baselines' and ``auto``'s operating table; ``shared.engine.PROFILE_KINDS``, without importing the
+models' code (``scd pair list`` stays quick)."""
+
+
+def profile_files(store: str | Path, name: str) -> dict[str, Path]:
+    """The profiles the store holds for pair ``name``, by kind (in kind order): only
+    ``<store>/<name>.<kind>.json`` of a known kind, never another pair's whose name starts with
+    ``<name>.`` (a glob of ``<name>.*.json`` took pair ``a.b``'s ``a.b.spectrum.json`` for pair ``a``'s)."""
+    store = Path(store)
+    return {kind: store / f"{name}.{kind}.json" for kind in sorted(PROFILE_KINDS)
+            if (store / f"{name}.{kind}.json").exists()}
+
+
 def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
     """What the store holds for the pair: SCD artifacts and each baseline's profile, and whether
     each is pinned to the registered weights."""
@@ -377,8 +392,7 @@ def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
             "path": str(meta.parent), "patch_layers": m.get("patch_layers"), "patch_blocks": m.get("patch_blocks"),
             "pinned": m.get("producer_fingerprint") == entry.producer_fingerprint and
             m.get("consumer_fingerprint") == entry.consumer_fingerprint}
-    for f in sorted(store.glob(f"{entry.name}.*.json")):
-        kind = f.name[len(entry.name) + 1: -len(".json")]
+    for kind, f in profile_files(store, entry.name).items():
         body = json_object(f)
         if body is None:
             out[kind] = {"path": str(f), "pinned": False, "unreadable": True}

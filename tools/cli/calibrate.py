@@ -52,6 +52,7 @@ def calibrate(
     """Calibrate SCD for a pair (REUSE maps, PATCH aligners, layer selection) into the artifact store, or
     profile a baseline (--method droidspeak|ridge|spectrum), on the built-in data or your own (--data)."""
     setup_logging(verbose)
+    from shared.errors import SCDError
     from tools.calibration.pipeline import calibrate as run
     from tools.calibration.pipeline import data_hash
 
@@ -68,7 +69,7 @@ def calibrate(
     except ValueError as e:
         fail(str(e))
     check_data(data_file, "validation", *(() if method in ("droidspeak", "spectrum", "auto", "fallback", "guard") else
-                                          ("calibration",)))
+                                          ("calibration",)), pair=pair)
     if cfg is not None:  # sizes the registry knows: every setting the model cannot take, before it loads
         from tools.calibration.pipeline import model_problems, not_fitting
 
@@ -77,6 +78,8 @@ def calibrate(
         if problems:
             fail(f"pair {pair!r} ({e.n_layers} layers, K/V width {e.n_kv_heads * e.head_dim}, hidden size "
                  f"{e.hidden_size}): {not_fitting(problems)}\nset others with --set KEY=VALUE")
+    if method in _READS_STORE:  # the pair's artifacts and profiles, checked before the models load
+        _check_store(method, pair, out)
     pm = pair_models(pair, device, dtype)
     out = pm.store(out)
     stop = pm.fmt.stop_ids
@@ -146,7 +149,7 @@ def calibrate(
         else:
             folder, report = run(pm.producer, pm.consumer, cal, val, cfg, str(out), data_hash(cal[: cfg.n_prompts]),
                                  stop_ids=stop, val_kinds=kinds)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, SCDError) as e:  # SCDError: the store's artifacts or profiles (missing, stale..)
         fail(str(e))
     v = report["validation"]
     typer.echo(f"artifacts written to {folder}")
@@ -218,6 +221,45 @@ def _method_settings(method: str, overrides: dict) -> dict:
     return overrides
 
 
+_READS_STORE = ("refine", "fallback", "guard", "auto")
+"""The methods that read what the store holds for the pair: the first three need its SCD artifacts;
+auto scores the artifacts and profiles it finds (and skips the methods it finds none for)."""
+
+
+def _check_store(method: str, pair: str, out: Path | None) -> None:
+    """What ``method`` will read from the store, loaded and checked against the registered weights
+    before the models load: a missing, stale (other weights) or corrupt artifact or profile is a
+    one-line error, not a traceback after the models have loaded."""
+    from shared.artifacts import store
+    from shared.errors import SCDError
+    from tools.cli.common import check_store
+
+    e = entry(pair)
+    where = check_store(Path(out) if out else e.store_dir())
+    folder = where / pair
+    pfp, cfp = e.producer_fingerprint, e.consumer_fingerprint
+    try:
+        if method != "auto" or (folder / "meta.json").exists():
+            meta, _ = store.load(folder, "producer", pfp, cfp)
+            store.load(folder, "consumer", pfp, cfp)
+            if method == "refine" and meta.code_bits != 8:
+                fail(f"pair {pair!r}'s codes are fp16 (code_bits={meta.code_bits}); refine needs int8 codes")
+        if method == "auto":
+            for kind in _auto_reads():
+                if (where / f"{pair}.{kind}.json").exists():
+                    store.load_profile(where, pair, kind, pfp, cfp)
+    except SCDError as err:
+        fail(str(err))
+
+
+def _auto_reads() -> tuple[str, ...]:
+    """The profiles auto's operating table scores: every profile kind but its own old table, which
+    it replaces and does not read."""
+    from shared.engine import PROFILE_KINDS
+
+    return tuple(k for k in PROFILE_KINDS if k != "auto")
+
+
 def _whole(overrides: dict, key: str, default: int) -> int:
     """A count among the --set values: a whole number >= 1, or a usage error naming the flag."""
     v = overrides.get(key, default)
@@ -255,14 +297,25 @@ def _fast(pm, out: Path, pair: str, cal: list, val: list, cfg) -> bool:
 
 def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profile) -> None:
     """The operating table: every candidate method and setting the pair can serve, scored on validation."""
-    from shared.engine import load_context
+    from shared.artifacts import store
+    from shared.codecs import CodecContext
+    from shared.codecs.scd import PairArtifacts
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration.auto import CANDIDATES, operating_table
 
     cands = tuple(str(overrides["candidates"]).split()) if overrides.get("candidates") else CANDIDATES
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
-    pctx = load_context(pm.producer, out / pair, "producer", pfp, cfp)
-    cctx = load_context(pm.consumer, out / pair, "consumer", pfp, cfp)
+    # what the pair has (shared.engine.load_context's reading, less the old operating table this one
+    # replaces: a stale or corrupt one stopped its own recalibration)
+    pctx, cctx = CodecContext(pm.producer), CodecContext(pm.consumer)
+    folder = out / pair
+    if (folder / "meta.json").exists():
+        for side, ctx in (("producer", pctx), ("consumer", cctx)):
+            meta, tensors = store.load(folder, side, pfp, cfp)
+            ctx.artifacts = PairArtifacts(meta, tensors, side)
+    for kind in _auto_reads():
+        if (out / f"{pair}.{kind}.json").exists():
+            pctx.profiles[kind] = cctx.profiles[kind] = store.load_profile(out, pair, kind, pfp, cfp)
     t0 = time.perf_counter()
     table = operating_table(pm.producer, pm.consumer, pm.fmt, val_items, pctx, cctx, cands)
     table["report"]["seconds"] = round(time.perf_counter() - t0, 1)

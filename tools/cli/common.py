@@ -233,16 +233,31 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
         fail(str(e))
 
 
-def check_data(data_file: Path | None, *needed: str) -> None:
+def check_data(data_file: Path | None, *needed: str, pair: str | None = None) -> None:
     """Parse the operator's JSONL before any model is loaded: a bad file, or one with no prompt in a
     split the command ``needed``, fails in a second, not after the models load (the message names the
-    file and line, or the splits' sizes)."""
+    file and line, or the splits' sizes). Given the registered ``pair``, every prompt is also encoded
+    with its tokenizer and chat template (a template that refuses a line names it)."""
     if data_file is None:
         return
     from tools.data import user
 
+    fmt = None
+    if pair is not None:
+        from shared.errors import SCDError
+        from tools.assets import registry
+
+        try:
+            e = registry.get(pair)
+        except SCDError:
+            e = None  # the command says what is wrong with the pair
+        if e is not None:
+            from shared.model.loading import load_tokenizer
+            from shared.model.prompt import PromptFormat
+
+            fmt = PromptFormat(load_tokenizer(e.tokenizer))
     try:
-        n = user.counts(data_file)
+        n = user.counts(data_file, fmt=fmt)
         for split in needed:
             if not n[split]:
                 raise user.empty_split(data_file, split, n)  # type: ignore[arg-type]  # a split's name

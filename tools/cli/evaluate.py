@@ -53,7 +53,7 @@ def drift(
     from tools.eval.report import print_layers, print_table
 
     t0 = time.perf_counter()
-    check_data(data_file, "test")
+    check_data(data_file, "test", pair=pair)
     pm = pair_models(pair, device, dtype)
     its = items(pm, "test", n, data_file)
     runners = methods(("oracle", "raw"), CodecContext(pm.producer), CodecContext(pm.consumer))
@@ -82,7 +82,7 @@ def anatomy(
     from tools.eval.anatomy import default_probes, run
 
     t0 = time.perf_counter()
-    check_data(data_file, "calibration", "validation")
+    check_data(data_file, "calibration", "validation", pair=pair)
     pm = pair_models(pair, device, dtype)
     cal = [ids[:1024] for ids in calibration_prompts(pm, data_file)][:n_cal]
     val = validation_prompts(pm, data_file, n_val)
@@ -165,7 +165,7 @@ def eval_(
         except SCDError as e:
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
-    check_data(data_file, "test")
+    check_data(data_file, "test", pair=pair)
     from tools.assets.registry import calibration_missing
 
     where = store_dir or entry(pair).store_dir()

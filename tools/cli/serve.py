@@ -173,7 +173,9 @@ def serve_producer(
             from tools.assets.registry import default_store
 
             store_dir = default_store(builtin=True)
-        if (check_store(store_dir) / n / "meta.json").exists() or any(store_dir.glob(f"{n}.*.json")):
+        from tools.assets.registry import profile_files
+
+        if (check_store(store_dir) / n / "meta.json").exists() or profile_files(store_dir, n):
             pair_gives.setdefault(n, {})["artifacts"] = str(store_dir / n)  # its artifacts and profiles
             offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
                         if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
@@ -316,7 +318,7 @@ def demo(
     from tools.cli.common import check_data, entry, known_methods, name_list
 
     names = known_methods(name_list(methods))  # before two services start (the producer refused a bad one)
-    check_data(data_file, "test")
+    check_data(data_file, "test", pair=pair)
     from tools.assets.registry import calibration_missing
 
     e = entry(pair)

@@ -191,12 +191,7 @@ def load(path: str | Path, fmt: PromptFormat, split: Split | None = None, n: int
     for i, obj in _records(path):
         if split is not None and split_of(obj, seed) != split:
             continue
-        ids, pre = fmt.encode(obj["prompt"])
-        if len(ids) < 2:
-            raise DataFileError(f"{path}:{i + 1}: the prompt encodes to {len(ids)} token(s); at least 2 are needed")
-        if max_tokens is not None and len(ids) > max_tokens:
-            raise DataFileError(f"{path}:{i + 1}: the prompt has {len(ids)} tokens; the limit is {max_tokens} (the "
-                                "model's context); shorten it")
+        ids, pre = _encode(path, i, obj, fmt, max_tokens)
         cont = obj.get("continuation", "")
         items.append(Item(id=obj.get("id") or f"{path.stem}-{i + 1:05d}", kind="user", prompt_ids=ids, prefix_len=pre,
                           answer=obj.get("answer", ""), prompt=obj["prompt"], continuation=cont,
@@ -208,9 +203,33 @@ def load(path: str | Path, fmt: PromptFormat, split: Split | None = None, n: int
     return items
 
 
-def counts(path: str | Path, seed: int = SPLIT_SEED) -> dict[str, int]:
+def _encode(path: Path, i: int, obj: dict, fmt: PromptFormat, max_tokens: int | None) -> tuple[list[int], int]:
+    """Line ``i``'s prompt encoded with the pair's prompt format; what the format refuses (its chat
+    template: "Conversation roles must alternate", "System role not supported"), too few tokens or
+    too many, a ``DataFileError`` naming the file and line."""
+    try:
+        ids, pre = fmt.encode(obj["prompt"])
+    except InvalidRequest as e:
+        raise DataFileError(f"{path}:{i + 1}: {e}") from None
+    if len(ids) < 2:
+        raise DataFileError(f"{path}:{i + 1}: the prompt encodes to {len(ids)} token(s); at least 2 are needed")
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise DataFileError(f"{path}:{i + 1}: the prompt has {len(ids)} tokens; the limit is {max_tokens} (the "
+                            "model's context); shorten it")
+    return ids, pre
+
+
+def counts(path: str | Path, seed: int = SPLIT_SEED, fmt: PromptFormat | None = None,
+           max_tokens: int | None = None) -> dict[str, int]:
+    """How many prompts each split of the file holds. With the pair's prompt format ``fmt`` (its
+    tokenizer loads in a moment, before the models), every line is also encoded as ``load`` will
+    encode it, whatever its split: a line the chat template refuses, or one too long for
+    ``max_tokens``, fails here with its line number, not after the models load."""
+    path = Path(path)
     out = {s: 0 for s in SPLITS}
-    for _, obj in _records(Path(path)):
+    for i, obj in _records(path):
+        if fmt is not None:
+            _encode(path, i, obj, fmt, max_tokens)
         out[split_of(obj, seed)] += 1
     return out
 

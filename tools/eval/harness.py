@@ -76,7 +76,7 @@ class Acc:
             "agree_f1": statistics.fmean(self.agree_f1) if self.agree_f1 else None,
             "task_f1": statistics.fmean(self.task_f1) if self.task_f1 else None,
             "ppl": ppl,
-            "delta_ppl_pct": 100 * (ppl / oracle_ppl - 1) if oracle_ppl else 0.0,
+            "delta_ppl_pct": 100 * (ppl / oracle_ppl - 1) if oracle_ppl else None,  # unknown without the oracle
             "bytes_per_token": statistics.fmean(self.bytes_per_token),
             "encode_ms": statistics.fmean(self.encode_ms),
             "reconstruct_ms": statistics.fmean(self.reconstruct_ms),
