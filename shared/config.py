@@ -282,6 +282,9 @@ class ModelSettings(Checked):
     """``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Use float32 on CPU; float16/bfloat16 on GPUs."""
+    fingerprint: str | None = None
+    """The weights fingerprint the folder must hold (``scd serve --pair`` gives the registered pair's):
+    weights changed since registration are refused at start-up."""
 
     def torch_dtype(self):
         import torch

@@ -38,6 +38,11 @@ class Engine(TorchWorker):
         self.tokenizer = tokenizer
         self.format = PromptFormat(tokenizer) if tokenizer is not None else None
         self.fingerprint = weights_fingerprint(model)
+        m = getattr(settings, "model", None)
+        if m is not None and m.fingerprint and m.fingerprint != self.fingerprint:
+            raise ConfigError(f"the weights in {m.path} changed since the pair was registered (fingerprint "
+                              f"{self.fingerprint}, registered {m.fingerprint}): run `scd pair add NAME ... --replace` "
+                              "and recalibrate (for a built-in pair, `scd assets`), or serve the registered weights")
         ctx = getattr(self.adapter.config, "max_position_embeddings", None)
         self.context: int | None = int(ctx) if isinstance(ctx, int) and ctx > 0 else None
         """Positions the model was trained for (its config's max_position_embeddings), if it says."""

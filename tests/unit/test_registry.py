@@ -4,6 +4,7 @@ refused with one error that names the problem, before any weight is read (and no
 import json
 import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -538,6 +539,7 @@ def test_a_registered_consumers_tokenizer_and_artifacts_are_defaults_for_the_pro
     assert res.exit_code == 0, res.output
     s = served.pop()
     assert s.consumers["mine"].address == "127.0.0.1:5" and s.consumers["mine"].tokenizer == folders["consumer"]
+    assert (s.model.path, s.model.fingerprint) == (folders["producer"], registry.get("mine").producer_fingerprint)
     res = run("--set", f"consumers.mine.tokenizer={folders['producer']}")
     assert res.exit_code == 0, res.output
     assert served.pop().consumers["mine"].tokenizer == folders["producer"]  # was the pair's
@@ -574,3 +576,25 @@ def test_a_consumer_folder_without_a_tokenizer_is_served_with_its_pairs(home, fo
     finally:
         no_tok.close()
         with_tok.close()
+
+
+def test_a_service_refuses_a_pairs_weights_changed_since_registration(home, folders, served, tmp_path):
+    """`scd drift` and `eval` refused them; `scd serve --pair` served the changed weights."""
+    import shutil
+
+    from consumer_service.server import load_engine
+    from shared.errors import ConfigError
+
+    ft = tmp_path / "ft"
+    shutil.copytree(folders["consumer"], ft)
+    registry.add("mine", folders["producer"], ft)
+    shutil.copy(Path(folders["producer"]) / "model.safetensors", ft / "model.safetensors")  # same shapes, new weights
+    res = CliRunner().invoke(app, ["serve", "consumer", "--pair", "mine", "--set", "methods=[raw]"])
+    assert res.exit_code == 0, res.output
+    s = served.pop()
+    assert s.model.fingerprint == registry.get("mine").consumer_fingerprint
+    with pytest.raises(ConfigError, match=r"the weights in .*ft changed since the pair was registered"):
+        load_engine(s)
+    res = CliRunner().invoke(app, ["serve", "consumer", "--pair", "mine", "--set", f"model.path={ft}",
+                                   "--set", "methods=[raw]"])
+    assert res.exit_code == 0 and served.pop().model.fingerprint is None, res.output  # another model: no pin

@@ -122,7 +122,8 @@ def serve_consumer(
         defaults["name"] = e.name
         if model is None:
             pair_model, pair_adapter = e.consumer_model()
-            defaults["model"] = {"path": pair_model, **({"adapter": pair_adapter} if pair_adapter else {})}
+            defaults["model"] = {"path": pair_model, **({"adapter": pair_adapter} if pair_adapter else {}),
+                                 "fingerprint": e.consumer_fingerprint}  # weights changed since are refused
             defaults["tokenizer"] = e.tokenizer  # the consumer's folder's, else the producer's (scd pair add)
     store_dir = Path(store) if store else (e.store_dir() if e else None)
     if quick and store_dir is None:
@@ -163,7 +164,7 @@ def serve_producer(
         consumers[n] = {"address": addr}
         e = _registered(n)
         if e is not None:
-            producers.add(e.producer)
+            producers.add((e.producer, e.producer_fingerprint))
             pair_gives[n] = {"tokenizer": e.tokenizer}
         if store:
             store_dir = Path(store)
@@ -182,7 +183,8 @@ def serve_producer(
     defaults: dict = {"methods": offered, **({"consumers": pair_gives} if pair_gives else {})}
     if model is None and len(producers) <= 1:  # a default: a file, variable or --set model.path beats it
         if producers:
-            defaults["model"] = {"path": producers.pop()}
+            path, fingerprint = producers.pop()
+            defaults["model"] = {"path": path, "fingerprint": fingerprint}  # weights changed since are refused
         else:
             from tools.assets.models import producer_dir
 
@@ -190,7 +192,8 @@ def serve_producer(
     s = _load_settings(ProducerSettings, config, set_, defaults, model={"path": model} if model else None,
                        server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
                        consumers=consumers or None, whole={"model.path": ("model",)},
-                       hint=(f"the registered consumers have different producers ({sorted(producers)}); one producer "
+                       hint=(f"the registered consumers have different producers ({sorted(p for p, _ in producers)}); "
+                             "one producer "
                              "serves consumers of one base model: give --model") if len(producers) > 1 else "")
     _serve(load_engine, build_server, s)
 
