@@ -193,8 +193,8 @@ def serve_producer(
                        server={k: v for k, v in (("host", host), ("port", port)) if v is not None} or None,
                        consumers=consumers or None, whole={"model.path": ("model",)},
                        hint=(f"the registered consumers have different producers ({sorted(p for p, _ in producers)}); "
-                             "one producer "
-                             "serves consumers of one base model: give --model") if len(producers) > 1 else "")
+                             "one producer serves consumers of one base model: give --model")
+                       if len(producers) > 1 else "")
     _serve(load_engine, build_server, s)
 
 
