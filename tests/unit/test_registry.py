@@ -284,6 +284,9 @@ def test_devices_are_checked_before_any_weight_is_read(home, folders):
     (["--methods", "quant:bits=4", "--param", "quant.bits=8"],
      "--param quant.bits=8 contradicts --methods quant:bits=4"),
     (["--methods", "scd:block_tokens=0.3;block_tokens=0.2"], "sets block_tokens twice"),
+    # built-in data beside your own: --kind was ignored (and recorded as the data's kind)
+    (["--methods", "raw", "--kind", "lm", "--data", __file__], "--kind picks built-in test data; with --data"),
+    (["--methods", "raw", "--kind", "nope"], "--kind must be one of qa, lm, heldout"),
 ])
 def test_eval_refuses_empty_or_malformed_method_options(home, args, match):
     res = CliRunner().invoke(app, ["eval", "--pair", "nope", *args])

@@ -105,10 +105,10 @@ def eval_(
     native_prefix: str = typer.Option("on", help="on | off"),
     store_dir: Optional[Path] = typer.Option(None, "--store", help="Artifact store (default: the pair's store)."),
     data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
-    data_kind: str = typer.Option("qa", "--kind", help="Built-in test data: qa (questions over Wikipedia "
-                                                       "passages), lm (Wikipedia and Python docs, continuation "
-                                                       "scored) or heldout (license texts, a domain calibration "
-                                                       "never sees)."),
+    data_kind: Optional[str] = typer.Option(None, "--kind", help="Built-in test data: qa (questions over "
+                                            "Wikipedia passages; the default), lm (Wikipedia and Python docs, "
+                                            "continuation scored) or heldout (license texts, a domain calibration "
+                                            "never sees). Not with --data."),
     json_out: JsonOut = None,
     param: list[str] = typer.Option([], help="METHOD.KEY=VALUE method setting (repeatable)."),
     sweep: bool = typer.Option(False, help="Vary each method's knob; write the points and a Pareto PNG."),
@@ -129,6 +129,10 @@ def eval_(
     from tools.eval.harness import codec_method, evaluate
     from tools.eval.report import print_table
 
+    if data_kind is not None and data_file is not None:  # it was ignored, and recorded as the data's kind
+        raise typer.BadParameter("--kind picks built-in test data; with --data your file's test split is used (a "
+                                 "record with a continuation is scored on it): leave --kind out")
+    data_kind = data_kind or "qa"
     if data_kind not in ("qa", "lm", "heldout"):
         raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {data_kind!r}")
     from shared.codecs import parse_variant
@@ -227,7 +231,7 @@ def eval_(
         if hasattr(r, "identity") and lab in res["methods"]:
             res["methods"][lab]["identity"] = r.identity(pfp)
     res.update(pair=pair, models={"producer": pfp, "consumer": cfp}, native_prefix=native_prefix, n=len(its),
-               kind=data_kind, answers=answers,
+               kind="user" if data_file else data_kind, answers=answers,
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))
     print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
