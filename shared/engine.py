@@ -65,11 +65,12 @@ PROFILE_KINDS = (*(k for k, cls in CODECS.items() if "profile" in cls.requires),
 
 
 def load_context(adapter: ModelAdapter, folder: str | Path | None, side: str, producer_fp: str | None = None,
-                 consumer_fp: str | None = None, require: tuple[str, ...] = ()) -> CodecContext:
+                 consumer_fp: str | None = None, require: tuple[str, ...] = (),
+                 profiles: tuple[str, ...] = PROFILE_KINDS) -> CodecContext:
     """A codec context for this side with what ``folder`` (``<store>/<pair>``) holds: the pair's
-    SCD artifacts (``meta.json`` there) and the profiles beside it (``<store>/<pair>.<kind>.json``),
-    checked against the fingerprints given. A method named in ``require`` whose artifacts or
-    profile are missing is a ``ConfigError`` at start-up."""
+    SCD artifacts (``meta.json`` there) and the profiles of ``profiles`` beside it
+    (``<store>/<pair>.<kind>.json``), checked against the fingerprints given. A method named in
+    ``require`` whose artifacts or profile are missing is a ``ConfigError`` at start-up."""
     from shared.artifacts import store
     from shared.codecs.scd import PairArtifacts
 
@@ -85,7 +86,7 @@ def load_context(adapter: ModelAdapter, folder: str | Path | None, side: str, pr
     if needs_art or (folder / "meta.json").exists():
         meta, tensors = store.load(folder, side, producer_fp, consumer_fp)
         ctx.artifacts = PairArtifacts(meta, tensors, side)
-    for kind in PROFILE_KINDS:
+    for kind in profiles:
         if kind in needs_prof or (folder.parent / f"{folder.name}.{kind}.json").exists():
             ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, producer_fp, consumer_fp)
     return ctx

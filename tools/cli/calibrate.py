@@ -297,25 +297,16 @@ def _fast(pm, out: Path, pair: str, cal: list, val: list, cfg) -> bool:
 
 def _auto(pm, out: Path, pair: str, val_items: list, overrides: dict, save_profile) -> None:
     """The operating table: every candidate method and setting the pair can serve, scored on validation."""
-    from shared.artifacts import store
-    from shared.codecs import CodecContext
-    from shared.codecs.scd import PairArtifacts
+    from shared.engine import load_context
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration.auto import CANDIDATES, operating_table
 
     cands = tuple(str(overrides["candidates"]).split()) if overrides.get("candidates") else CANDIDATES
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
-    # what the pair has (shared.engine.load_context's reading, less the old operating table this one
-    # replaces: a stale or corrupt one stopped its own recalibration)
-    pctx, cctx = CodecContext(pm.producer), CodecContext(pm.consumer)
-    folder = out / pair
-    if (folder / "meta.json").exists():
-        for side, ctx in (("producer", pctx), ("consumer", cctx)):
-            meta, tensors = store.load(folder, side, pfp, cfp)
-            ctx.artifacts = PairArtifacts(meta, tensors, side)
-    for kind in _auto_reads():
-        if (out / f"{pair}.{kind}.json").exists():
-            pctx.profiles[kind] = cctx.profiles[kind] = store.load_profile(out, pair, kind, pfp, cfp)
+    # what the pair has, less the old operating table this one replaces (a stale or corrupt one
+    # stopped its own recalibration)
+    pctx = load_context(pm.producer, out / pair, "producer", pfp, cfp, profiles=_auto_reads())
+    cctx = load_context(pm.consumer, out / pair, "consumer", pfp, cfp, profiles=_auto_reads())
     t0 = time.perf_counter()
     table = operating_table(pm.producer, pm.consumer, pm.fmt, val_items, pctx, cctx, cands)
     table["report"]["seconds"] = round(time.perf_counter() - t0, 1)
