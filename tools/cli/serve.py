@@ -176,10 +176,10 @@ def serve_producer(
             store_dir = default_store(builtin=True)
         from tools.assets.registry import profile_files
 
-        if (check_store(store_dir) / n / "meta.json").exists() or profile_files(store_dir, n):
+        profiled = profile_files(check_store(store_dir), n)
+        if (store_dir / n / "meta.json").exists() or profiled:
             pair_gives.setdefault(n, {})["artifacts"] = str(store_dir / n)  # its artifacts and profiles
-            offered += [k for k in ("spectrum", "droidspeak", "ridge")  # baselines profiled for this pair
-                        if (store_dir / f"{n}.{k}.json").exists() and k not in offered]
+            offered += [k for k in profiled if k not in offered]  # baselines profiled for this pair (auto is)
     defaults: dict = {"methods": offered, **({"consumers": pair_gives} if pair_gives else {})}
     if model is None and len(producers) <= 1:  # a default: a file, variable or --set model.path beats it
         if producers:
