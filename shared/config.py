@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from shared.errors import ConfigError
+from shared.errors import ConfigError, clip
 
 _HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
@@ -44,7 +44,7 @@ def field_errors(e: ValidationError | list, skip: int = 0, model: type[BaseModel
         if err["type"] == "extra_forbidden":
             msg = "not a known setting" + (_known_settings(model, loc) if model is not None and loc else "")
         else:
-            msg = _plain_message(err["msg"])
+            msg = _plain_message(err["msg"]) + _given(err)
         out.append(f"{'.'.join(str(p) if p != '' else repr(p) for p in loc)}: {msg}" if loc else msg)
     return out
 
@@ -119,6 +119,21 @@ def first_field(e: ValidationError) -> str | None:
     for a complaint about the whole value."""
     errors = e.errors()
     return ".".join(str(p) for p in errors[0]["loc"]) or None if errors else None
+
+
+_SECRET = re.compile(r"(^|[._-])(token|secret|password|credentials?|api_?key)$", re.I)
+
+
+def _given(err: dict) -> str:
+    """What was given, for a value of the wrong type (``true`` where a number goes): the message alone
+    does not say which of a request's values it was. Not for a validator's own words, which name it."""
+    value, kind = err.get("input"), err["type"]
+    if not (kind.endswith(("_parsing", "_type")) or kind == "finite_number") or any(
+            _SECRET.search(str(p)) for p in err["loc"]):  # a token given as a number is not echoed to a log
+        return ""
+    if isinstance(value, (bool, int, float)):
+        return f" (got {value!r})"
+    return f" (got {clip(value, 40)})" if isinstance(value, str) and value else ""
 
 
 def _plain_message(msg: str) -> str:
