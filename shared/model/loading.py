@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,6 +53,36 @@ def _safetensors(path: Path, stem: str) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if p.name.startswith(stem))
 
 
+def weight_files(path: str | Path, what: str = "model") -> list[Path]:
+    """The safetensors files transformers loads from a model folder: ``model.safetensors``, or else the
+    shards that ``model.safetensors.index.json`` names ([] when neither is there). A folder that holds
+    both (transformers would load ``model.safetensors`` and ignore the shards) or whose index names a
+    file that is not there is a ModelFolderError naming it."""
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if not index.exists():
+        return [single] if single.exists() else []
+    if single.exists():
+        raise ModelFolderError(f"{what} folder {path} holds both model.safetensors and the shards of "
+                               "model.safetensors.index.json; transformers would load model.safetensors and ignore "
+                               "the shards. Remove whichever is stale")
+    weight_map = read_json(index, "weights index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFolderError(f"weights index {index} has no weight_map of tensor names to shard files; save the "
+                               "model again")
+    names = sorted(set(weight_map.values()))
+    outside = [n for n in names if Path(n).name != n or not n.endswith(".safetensors")]
+    if outside:
+        raise ModelFolderError(f"weights index {index} names {outside[0]!r}: a shard is a .safetensors file in the "
+                               "same folder; save the model again")
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ModelFolderError(f"{what} folder {path}: {len(missing)} of the {len(names)} shards its "
+                               f"model.safetensors.index.json names are not there ({', '.join(missing[:3])}); copy "
+                               "the whole folder again")
+    return [path / n for n in names]
+
+
 def read_json(path: Path, what: str) -> dict:
     """A JSON object from ``path`` (a model's or adapter's config); ModelFolderError if it does not parse."""
     try:
@@ -88,8 +119,8 @@ def tensor_shapes(files: list[Path]) -> dict[str, list[int]]:
 
 
 def model_shapes(path: str | Path) -> dict[str, list[int]]:
-    """``tensor_shapes`` of a model folder's weight files."""
-    return tensor_shapes(_safetensors(Path(path), "model"))
+    """``tensor_shapes`` of a model folder's weight files (those transformers loads)."""
+    return tensor_shapes(weight_files(path))
 
 
 def check_model_folder(path: str | Path, what: str = "model") -> Path:
@@ -102,7 +133,15 @@ def check_model_folder(path: str | Path, what: str = "model") -> Path:
     if not (path / "config.json").exists():
         raise ModelFolderError(f"{what} folder {path} has no config.json; give a Hugging Face model folder "
                                "(save_pretrained)" + _hint(path))
-    if not _safetensors(path, "model"):
+    if not weight_files(path, what):
+        others = _safetensors(path, "model")
+        if others:
+            shards = any(re.fullmatch(r"model-\d+-of-\d+\.safetensors", p.name) for p in others)
+            raise ModelFolderError(
+                f"{what} folder {path} has {', '.join(p.name for p in others[:3])} but "
+                + ("no model.safetensors.index.json, which says which shard holds which weight; copy it from where "
+                   "the model was saved" if shards else "no model.safetensors (or model.safetensors.index.json), "
+                   "the names transformers loads; rename the file or save the model again"))
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise ModelFolderError(
@@ -215,7 +254,7 @@ def folder_fingerprint(path: str | Path, adapter: str | Path | None = None) -> s
     consumer given as an adapter, over the adapter's tensors and settings too). Independent of the
     dtype and device the weights are later loaded in, and of how the weights are sharded."""
     h = hashlib.sha256()
-    _hash_tensors(h, _safetensors(Path(path), "model"))
+    _hash_tensors(h, weight_files(path))
     if adapter is not None:
         adapter = Path(adapter)
         cfg = read_json(adapter / "adapter_config.json", "adapter config")

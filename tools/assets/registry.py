@@ -196,12 +196,13 @@ def _check_adapter_fits(adapter: Path, producer: Path) -> None:
     from shared.model.loading import model_shapes, tensor_shapes
 
     base = model_shapes(producer)
-    lora = 0
+    lora, targets = 0, []
     for k, shape in tensor_shapes([adapter / "adapter_model.safetensors"]).items():
         m = re.match(r"^(?:base_model\.model\.)?(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", k)
         if not m:
             continue
         lora += 1
+        targets.append(m.group(1))
         target = m.group(1) + ".weight"
         if target not in base:
             raise RegistryError(f"adapter {adapter} targets {m.group(1)!r}, which the producer in {producer} does "
@@ -213,6 +214,43 @@ def _check_adapter_fits(adapter: Path, producer: Path) -> None:
     if not lora:
         raise RegistryError(f"adapter {adapter} holds no LoRA tensors (names ending in lora_A/lora_B.weight): "
                             "give a peft LoRA adapter saved with PeftModel.save_pretrained")
+    _check_adapter_layers(adapter, base, targets)
+
+
+def _check_adapter_layers(adapter: Path, base: dict[str, list[int]], targets: list[str]) -> None:
+    """An adapter adapts each module it targets in every layer of the base (or in those its
+    ``layers_to_transform`` names): one trained on a shallower base fits a deeper one tensor by tensor,
+    and peft would leave the layers it lacks as they are, without a word."""
+    from shared.model.loading import read_json
+
+    cfg = read_json(adapter / "adapter_config.json", "adapter config")
+    if cfg.get("exclude_modules") or isinstance(cfg.get("target_modules"), str):
+        return  # modules chosen by a pattern: which layers they cover is the adapter's choice
+    chosen = cfg.get("layers_to_transform")
+    if isinstance(chosen, int) and not isinstance(chosen, bool):
+        chosen = [chosen]
+    if chosen is not None and not (isinstance(chosen, list) and all(type(i) is int for i in chosen)):
+        return  # peft refuses it itself at load
+    layer = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
+    have: dict[tuple[str, str], set[int]] = {}
+    for t in targets:
+        if m := layer.match(t):
+            have.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    for (head, tail), layers in sorted(have.items()):
+        if chosen is not None:
+            want = set(chosen)
+            if layers != want:
+                raise RegistryError(f"adapter {adapter} adapts {tail[1:]} in layers {sorted(layers)}, but its "
+                                    f"adapter_config.json's layers_to_transform names {sorted(want)}: save the "
+                                    "adapter again")
+            continue
+        want = {int(m.group(2)) for name in base if name.endswith(".weight")
+                and (m := layer.match(name[:-len(".weight")])) and (m.group(1), m.group(3)) == (head, tail)}
+        if layers != want:
+            raise RegistryError(f"adapter {adapter} adapts {tail[1:]} in {len(layers)} of the producer's {len(want)} "
+                                f"layers (not layer {min(want - layers)}), and its adapter_config.json limits no "
+                                "layers_to_transform: it was trained on a base model with fewer layers, not this "
+                                "producer")
 
 
 def _check_weights_match(producer: Path, consumer: Path, tied: bool) -> None:
