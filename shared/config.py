@@ -124,7 +124,7 @@ def first_field(e: ValidationError) -> str | None:
 _SECRET = re.compile(r"(^|[._-])(token|secret|password|credentials?|api_?key)$", re.I)
 
 
-def _given(err: dict) -> str:
+def _given(err: Any) -> str:
     """What was given, for a value of the wrong type (``true`` where a number goes): the message alone
     does not say which of a request's values it was. Not for a validator's own words, which name it."""
     value, kind = err.get("input"), err["type"]
