@@ -131,7 +131,8 @@ def load(folder: str | Path, side: str, producer_fingerprint: str | None = None,
         if want is not None and want != have:
             raise FingerprintMismatch(
                 f"artifacts at {folder} were calibrated for {who} weights {have!r}, but the loaded {who} model is "
-                f"{want!r}: load the right model or run `scd calibrate` for this pair")
+                f"{want!r}: load the right model or run `scd calibrate --pair {meta.pair}` (with --data PROMPTS.jsonl "
+                "for a pair of your own)")
     return meta, load_file(path)
 
 

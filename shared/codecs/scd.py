@@ -198,6 +198,11 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         self.block_tokens = float(getattr(cfg, "block_tokens", 1.0))
         self.block_min_tokens = int(getattr(cfg, "block_min_tokens", LAST_RECOMPUTED))
         sparse = self.block_tokens < 1  # a sparse block has no full output state: its exit layer carries codes
+        if sparse and not self.blocks:  # it would be served as the method without it, and measured as such
+            why = ("patch_blocks=none was given" if not use_blocks
+                   else f"the {self.meta.pair!r} calibration has no PATCH block")
+            raise InvalidRequest(f"block_tokens: {self.block_tokens:g} is the share of a PATCH block's positions "
+                                 f"recomputed, and {why}; leave block_tokens out", param="block_tokens")
         self.block_select = getattr(cfg, "block_select", "attention")
         self.sends_positions = sparse and self.block_select == "producer"
         self.block_fit = getattr(cfg, "block_fit", "none")

@@ -24,7 +24,7 @@ def test_artifacts_round_trip_and_tamper_refused(tmp_path):
     folder = store.save(tmp_path, _meta(), t, {"dec.k.0": torch.randn(2, 4)})
     meta, got = store.load(folder, "producer", "aaa", "bbb")
     assert meta.patch_layers == [1] and torch.equal(got["enc.k.0"], t["enc.k.0"])
-    with pytest.raises(FingerprintMismatch, match="recalibrate|calibrate"):
+    with pytest.raises(FingerprintMismatch, match=r"run `scd calibrate --pair p` \(with --data PROMPTS.jsonl"):
         store.load(folder, "consumer", "aaa", "zzz")
     data = bytearray((folder / "consumer.safetensors").read_bytes())
     data[-1] ^= 0xFF

@@ -221,3 +221,35 @@ def test_a_prompts_file_with_few_prompts_in_a_split_a_command_uses_is_said_to_be
     enough = {"calibration": 0, "validation": 16, "test": 3}  # an empty split is refused elsewhere, not warned
     assert user.few_prompts(path, enough, ("calibration", "validation")) is None
     assert "3 in the test split" in (user.few_prompts(path, enough, ("test",)) or "")
+
+
+@pytest.mark.parametrize("builtin", [False, True])
+def test_an_own_pair_without_the_built_in_prompts_is_told_of_data(home, capsys, builtin):
+    """`scd eval --pair mine` on a machine without `scd assets` said only to run it; an own pair can
+    take its own prompts instead."""
+    from types import SimpleNamespace
+
+    import typer
+
+    from tools.cli.common import PairModels, items
+
+    pm = PairModels(SimpleNamespace(builtin=builtin, name="mine"), None, None, None, None)
+    with pytest.raises(typer.Exit):
+        items(pm, "test")
+    said = capsys.readouterr().err
+    assert "qa_test.jsonl is missing; run `scd assets`" in said, said
+    assert ("give pair 'mine' your own with --data FILE" in said) is not builtin, said
+
+
+def test_repeated_lines_are_called_repeats_when_a_split_is_empty_or_small(tmp_path):
+    """40 copies of one prompt: 40 in one split and none in the others, which said only "add prompts"."""
+    from tools.data import user
+
+    path = tmp_path / "copies.jsonl"
+    path.write_text('{"prompt": "What is 2+2?"}\n' * 40)
+    n = user.counts(path)
+    empty = next(s for s in ("validation", "test") if n[s] == 0)
+    said = str(user.empty_split(path, empty, n))
+    assert "39 of its lines repeat an earlier line" in said, said
+    path.write_text("".join(f'{{"prompt": "Question {i}?"}}\n' for i in range(40)))
+    assert "repeat an earlier line" not in str(user.empty_split(path, "test", user.counts(path)))

@@ -29,6 +29,8 @@ def contexts(tiny_pair, tiny_artifacts):
     ("scd", {"patch_layers": "9"}, "patch_layers", "layers [9] were not calibrated"),
     ("scd", {"patch_layers": "x"}, "patch_layers", "write layer numbers separated by commas"),
     ("scd", {"patch_layers": '["a"]'}, "patch_layers", "write layer numbers separated by commas"),
+    # it was served as scd without the block (and measured as such, under its own label)
+    ("scd", {"block_tokens": "0.35", "patch_blocks": "none"}, "block_tokens", "and patch_blocks=none was given"),
 ])
 def test_a_setting_this_model_or_pair_cannot_take_is_named_with_its_form(contexts, kind, params, param, says):
     """Settings that validate but that the model or pair cannot take (checked when the method is made)
@@ -46,3 +48,15 @@ def test_one_patch_layer_may_be_given_as_a_number(contexts):
     layer = contexts[0].artifacts.meta.patch_layers[0]
     assert make_method("scd", contexts[0], {"patch_layers": str(layer)}).patch == {layer}
     assert method_config("scd", {}).model_validate({"kind": "scd", "patch_layers": layer}).patch_layers == [layer]
+
+
+def test_a_sparse_block_on_a_pair_without_a_block_is_refused(contexts):
+    """It was served as ``scd`` itself (and measured so, under its own label). Pairs with a block serve
+    it: tests/unit/test_sparse_block.py."""
+    ctx = contexts[0]
+    assert not ctx.artifacts.meta.patch_blocks, "the tiny pair is calibrated without a block"
+    assert not make_method("scd", ctx).blocks  # the method itself serves
+    with pytest.raises(InvalidRequest, match=r"block_tokens: 0.35 is the share .* the 'tiny' calibration has no PATCH "
+                                             r"block; leave block_tokens out") as ei:
+        make_method("scd", ctx, {"block_tokens": "0.35"})
+    assert ei.value.param == "block_tokens"

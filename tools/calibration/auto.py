@@ -36,9 +36,6 @@ def operating_table(producer: ModelAdapter, consumer: ModelAdapter, fmt: PromptF
     for label in candidates:
         kind, params = parse_variant(label)
         try:
-            if "block_tokens" in params and not getattr(make_method(kind, pctx, params), "blocks", None):
-                skipped[label] = "the pair's artifacts have no PATCH block to recompute sparsely"
-                continue
             runners[label] = codec_method(kind, pctx, cctx, params)
             pins[label] = runners[label].pin()
         except SCDError as e:

@@ -230,7 +230,10 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
                                                 else data.load(kind, split, fmt=pm.fmt))]
         return out[:n] if n is not None else out
     except (user.DataFileError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
-        fail(str(e))
+        entry = pm.entry  # an own pair's command may take the operator's prompts instead of the built-in ones
+        own = data_file is None and isinstance(e, FileNotFoundError) and not getattr(entry, "builtin", True)
+        fail(f"{e}" + (f" (the built-in prompts); or give pair {getattr(entry, 'name', '')!r} your own with "
+                       "--data FILE (docs/byo.md)" if own else ""))
 
 
 def check_data(data_file: Path | None, *needed: str, pair: str | None = None) -> None:

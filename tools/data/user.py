@@ -166,10 +166,13 @@ def _json_type(value) -> str:
     return "null"
 
 
+def _content(obj: dict) -> str:
+    return json.dumps([obj["prompt"], obj.get("answer", ""), obj.get("continuation", "")], sort_keys=True)
+
+
 def split_of(obj: dict, seed: int = SPLIT_SEED) -> Split:
     """The split a prompt falls into: a seeded hash of its content (prompt, answer, continuation)."""
-    key = json.dumps([obj["prompt"], obj.get("answer", ""), obj.get("continuation", "")], sort_keys=True)
-    u = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") / 2**64
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{_content(obj)}".encode()).digest()[:8], "big") / 2**64
     edge = 0.0
     for split in SPLITS:
         edge += SPLIT_FRACTIONS[split]
@@ -234,9 +237,22 @@ def counts(path: str | Path, seed: int = SPLIT_SEED, fmt: PromptFormat | None = 
     return out
 
 
+def _repeats(path: str | Path) -> str:
+    """What a split's size message adds when lines repeat: copies of a prompt all fall in its split."""
+    seen: set[str] = set()
+    n = 0
+    for _, obj in _records(Path(path)):
+        key = _content(obj)
+        n += key in seen
+        seen.add(key)
+    return (f"; {n} of its lines repeat an earlier line, and a prompt's copies all fall in the same split: "
+            "they add no prompt to another split") if n else ""
+
+
 def empty_split(path: str | Path, split: Split, split_counts: dict[str, int]) -> DataFileError:
     return DataFileError(f"{path}: no prompts in the {split} split (splits: {split_counts}); the split takes about "
-                         f"{SPLIT_FRACTIONS[split]:.0%} of the lines by a hash of each prompt: add prompts")
+                         f"{SPLIT_FRACTIONS[split]:.0%} of the lines by a hash of each prompt: add prompts"
+                         + _repeats(path))
 
 
 def few_prompts(path: str | Path, split_counts: dict[str, int], needed: tuple[str, ...]) -> str | None:
@@ -246,4 +262,5 @@ def few_prompts(path: str | Path, split_counts: dict[str, int], needed: tuple[st
         return None
     said = "; ".join(f"{split_counts[s]} in the {s} split ({SPLIT_ROLE[s]}; {FEW[s]}+ recommended)" for s in small)
     shares = ", ".join(f"{k} {v:.0%}" for k, v in SPLIT_FRACTIONS.items())
-    return f"warning: {path} has few prompts: {said}. The results will be noisy: add prompts (of the lines, {shares})"
+    return (f"warning: {path} has few prompts: {said}. The results will be noisy: add prompts (of the lines, {shares})"
+            + _repeats(path))
