@@ -1,0 +1,25 @@
+"""What a settings or request error quotes of the value it refuses."""
+
+import pytest
+
+from consumer_service.settings import ConsumerSettings
+from shared.errors import ConfigError
+
+
+def test_a_value_of_the_wrong_type_is_quoted_but_a_token_is_not(tmp_path):
+    """"should be a valid number" did not say which value a request or a file gave; a secret given as a
+    number (YAML reads `token: 1234` as one) must not be echoed into an error or a log."""
+    from shared.codecs import check_settings
+    from shared.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=r"block_tokens: .*valid number.* \(got 'true'\)"):
+        check_settings("scd", {"block_tokens": "true"})
+    with pytest.raises(InvalidRequest, match=r"\(got 'xxxxx.*\.\.\. \(300 characters\)\)"):
+        check_settings("scd", {"block_tokens": "x" * 300})
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: m}\nsecurity: {token: 987654321}\nframe_timeout_s: soon\n")
+    with pytest.raises(ConfigError) as e:
+        ConsumerSettings.load(f)
+    said = str(e.value)
+    assert "frame_timeout_s: Input should be a valid number" in said and "(got 'soon')" in said, said
+    assert "security.token" in said and "987654321" not in said, said
