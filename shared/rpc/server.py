@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import logging
 import signal
 import socket
@@ -115,6 +116,11 @@ class DecodeErrorsInterceptor(grpc.aio.ServerInterceptor):
 
             if handler.response_streaming:
                 inner_ss = handler.stream_stream
+                if not inspect.isasyncgenfunction(inner_ss):  # it writes its answers (context.write)
+                    async def stream_stream_writes(request_iterator, context):
+                        return await inner_ss(checked(request_iterator), context)
+
+                    return grpc.stream_stream_rpc_method_handler(stream_stream_writes, **kw)
 
                 async def stream_stream(request_iterator, context):
                     async for item in inner_ss(checked(request_iterator), context):
@@ -129,6 +135,13 @@ class DecodeErrorsInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
         if handler.response_streaming:
             inner_us = handler.unary_stream
+            if not inspect.isasyncgenfunction(inner_us):  # it writes its answers (grpc_health's Watch)
+                async def unary_stream_writes(request, context):
+                    if isinstance(request, Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal(request))
+                    return await inner_us(request, context)
+
+                return grpc.unary_stream_rpc_method_handler(unary_stream_writes, **kw)
 
             async def unary_stream(request, context):
                 if isinstance(request, Undecodable):

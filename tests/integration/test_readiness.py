@@ -46,12 +46,24 @@ def _up(s, consumer: str = "only") -> float | None:
 
 
 def test_the_producer_reports_readiness_per_consumer(base, tok):
+    """By Check and by Watch (the stream gRPC's client-side health checking reads; it failed UNKNOWN
+    with a TypeError on both services: the interceptor took every streaming answer for a generator)."""
     with InProcessServices([consumer("only", base)], _producer(base, tok, 0.2)) as s:
         url = f"http://127.0.0.1:{s.producer_server.http.port}/health"
         wait_for(lambda: _status(s, "scd.v1.Producer/only") == SERVING, what="the consumer to be reported serving")
         assert httpx.get(url).json()["consumers"] == {"only": "serving"}
         assert _up(s) == 1.0
+        ch = grpc.insecure_channel(s.producer_address)
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="scd.v1.Producer/only"),
+                                                     timeout=60)
+        assert next(watch).status == SERVING
+        with grpc.insecure_channel(s.consumer_addresses["only"]) as cch:
+            assert next(health_pb2_grpc.HealthStub(cch).Watch(health_pb2.HealthCheckRequest(), timeout=10)).status \
+                == SERVING
         s._run(s.consumer_servers["only"].stop(0))  # its only consumer goes down
+        assert next(watch).status == NOT_SERVING  # the watcher is told
+        watch.cancel()
+        ch.close()
         wait_for(lambda: _status(s) == NOT_SERVING, what="the producer to say so")
         assert _up(s) == 0.0
         assert _status(s, "scd.v1.Producer/only") == NOT_SERVING
