@@ -118,4 +118,6 @@ class ConsumerServicer(pbg.ConsumerServicer):
     async def Info(self, request, context):
         e = self.engine
         return pb.ConsumerInfo(name=e.settings.name, model_fingerprint=e.fingerprint, methods=list(e.settings.methods),
-                               n_layers=e.adapter.n_layers, protocol_version=PROTOCOL_VERSION)
+                               n_layers=e.adapter.n_layers, protocol_version=PROTOCOL_VERSION,
+                               producer_fingerprint=(e.producer_fingerprint or "") if e.settings.fallback == "fail"
+                               else "")  # fallback=recompute serves any producer's stream (with its own prefill)

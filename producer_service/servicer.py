@@ -39,6 +39,9 @@ PEER_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect
 NOT_A_CONSUMER = "not an SCD consumer"
 ANOTHER_CONSUMER = "another consumer:"
 WRONG_TOKEN = "refuses the producer's token (give both services the same security.token)"
+_SETTINGS_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "FAILED_PRECONDITION", "UNIMPLEMENTED",
+                             "INTERNAL"})
+"""The codes a consumer refuses a stream with when the producer's settings for it are wrong."""
 NOT_PROBED = "not probed yet"
 
 
@@ -105,6 +108,10 @@ class ProducerServicer(pbg.ProducerServicer):
             if info.protocol_version != PROTOCOL_VERSION:  # every request would be refused: say so before
                 side = "consumer" if info.protocol_version < PROTOCOL_VERSION else "producer"
                 return f"speaks protocol {info.protocol_version}, this producer {PROTOCOL_VERSION} (update the {side})"
+            if info.producer_fingerprint and info.producer_fingerprint != self.engine.fingerprint:
+                return (f"accepts streams of producer weights {info.producer_fingerprint!r} only, this producer's are "
+                        f"{self.engine.fingerprint!r} (serve the pair's producer model, recalibrate the pair for this "
+                        f"one, or fix consumers.{name}.address)")
             if info.n_layers != self.engine.adapter.n_layers:
                 return (f"has {info.n_layers} layers, this producer's model {self.engine.adapter.n_layers}: another "
                         f"model family (fix consumers.{name}.address or the producer's model)")
@@ -121,6 +128,21 @@ class ProducerServicer(pbg.ProducerServicer):
                 if problem is not None and problem.lasting:
                     return problem.said
             return "unavailable"
+
+    async def _misconfigured(self, name: str, address: str, code: str) -> str | None:
+        """Why a consumer's refusal (status ``code``) is the producer's settings' fault, or None: the
+        consumer at the address refuses its token, is another consumer or no consumer, runs another
+        model or protocol. Asked only of the codes such a refusal takes (a bad request stays the client's)."""
+        if code not in _SETTINGS_CODES:
+            return None
+        status = await self.consumer_status_now(name, address)
+        if status in ("serving", "unavailable"):
+            return None
+        if status == NOT_A_CONSUMER:
+            return (f"the server at {address} is {NOT_A_CONSUMER} (it has no scd.v1.Consumer/Transfer); the producer's "
+                    f"consumers.{name}.address is wrong")
+        said = f"is {status}" if status.startswith(ANOTHER_CONSUMER) else status
+        return f"the consumer at the producer's consumers.{name}.address ({address}) {said}"
 
     async def probe_once(self, health=None) -> dict[str, bool]:
         """Each consumer's gRPC health, now; published on ``health`` when given."""
@@ -274,6 +296,9 @@ class ProducerServicer(pbg.ProducerServicer):
         try:
             async for pev in call:
                 if pev.HasField("error"):  # the consumer failed the request: its status, whatever the transport says
+                    wrong = await self._misconfigured(request.consumer, p.address, pev.error.code)
+                    if wrong is not None:
+                        raise PeerError("INTERNAL", f"consumer {request.consumer!r}: {wrong}")
                     raise PeerError(pev.error.code, f"consumer {request.consumer!r}: {pev.error.message}",
                                     param=pev.error.param or None)
                 ev = convert.event_from_pb(pev)
@@ -309,13 +334,11 @@ class ProducerServicer(pbg.ProducerServicer):
                 else:  # the address or the TLS settings are wrong: the producer's fault, and no retry helps
                     code, msg = grpc.StatusCode.INTERNAL, (f"the producer's consumers.{request.consumer}.address "
                                                            f"({p.address}) {status}")
-            elif code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL) and \
-                    await self.consumer_status_now(request.consumer, p.address) == NOT_A_CONSUMER:
-                # another gRPC service at the address (it answers UNIMPLEMENTED, or gRPC's core INTERNAL when
-                # the refusal crosses the frames being sent): the producer's fault, not the client's
-                code, msg = grpc.StatusCode.INTERNAL, (
-                    f"the server at {p.address} is {NOT_A_CONSUMER} (it has no scd.v1.Consumer/Transfer); the "
-                    f"producer's consumers.{request.consumer}.address is wrong")
+            elif (wrong := await self._misconfigured(request.consumer, p.address, code.name)) is not None:
+                # another gRPC service at the address (it answers UNIMPLEMENTED, or gRPC's core INTERNAL when the
+                # refusal crosses the frames being sent), a consumer that refuses the producer's token, another
+                # consumer, another model: the producer's fault, not the client's (who could not fix it)
+                code, msg = grpc.StatusCode.INTERNAL, wrong
             raise PeerError(code.name, f"consumer {request.consumer!r}: {msg}") from None
         finally:
             call.cancel()

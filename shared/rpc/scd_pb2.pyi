@@ -223,18 +223,20 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ConsumerInfo(_message.Message):
-    __slots__ = ("name", "model_fingerprint", "methods", "n_layers", "protocol_version")
+    __slots__ = ("name", "model_fingerprint", "methods", "n_layers", "protocol_version", "producer_fingerprint")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     METHODS_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_fingerprint: str
     methods: _containers.RepeatedScalarFieldContainer[str]
     n_layers: int
     protocol_version: int
-    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., n_layers: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    producer_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., methods: _Optional[_Iterable[str]] = ..., n_layers: _Optional[int] = ..., protocol_version: _Optional[int] = ..., producer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("layers", "wire_bytes")

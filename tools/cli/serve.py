@@ -120,6 +120,7 @@ def serve_consumer(
     defaults: dict = {}
     if e is not None:
         defaults["name"] = e.name
+        defaults["producer_fingerprint"] = e.producer_fingerprint  # a producer of other weights is refused
         if model is None:
             pair_model, pair_adapter = e.consumer_model()
             defaults["model"] = {"path": pair_model, **({"adapter": pair_adapter} if pair_adapter else {}),
