@@ -137,3 +137,13 @@ def test_methods_the_pairs_store_cannot_serve_are_named_before_the_services_star
     (tmp_path / "p.auto.json").write_text("{}")
     assert uncalibrated(("raw", "auto"), tmp_path, "p") == []
     assert uncalibrated(kinds, default_store(builtin=True), "strong") == []
+
+
+def test_prompts_without_the_built_in_data_are_a_bench_error_not_a_traceback(home):
+    """`scd bench` on a machine without `scd assets` ended in a FileNotFoundError traceback."""
+    from shared.model.tiny import tiny_tokenizer
+    from tools.bench.runner import Prompts
+
+    with pytest.raises(BenchError, match=r"the benchmark's prompts are the built-in QA test passages: .*qa_test.jsonl "
+                                         r"is missing; run `scd assets`"):
+        Prompts(tiny_tokenizer())

@@ -75,6 +75,11 @@ def test_a_registered_consumers_tokenizer_and_artifacts_are_defaults_for_the_pro
     assert (s.model.path, s.model.dtype) == (folders["producer"], "bfloat16")
     res = run("--set", f"model.path={folders['consumer']}")
     assert res.exit_code == 0 and served.pop().model.path == folders["consumer"], res.output
+    # consumers of two producers: the hint says why no model is chosen (was a bare "model: Field required")
+    registry.add("other", folders["consumer"], folders["producer"])
+    res = run("--consumer", "other=127.0.0.1:6")
+    assert res.exit_code != 0 and "the registered consumers have different producers" in said(res) and \
+        "give --model" in said(res), res.output
 
 
 def test_a_consumer_folder_without_a_tokenizer_is_served_with_its_pairs(home, folders, tmp_path):

@@ -85,7 +85,11 @@ class Prompts:
         self.tail = fmt._ids(fmt.tail) if fmt.chat else []
         self.native_prefix = bool(self.prefix)
         pool = []
-        for it in data.load("qa", "test", fmt=fmt):
+        try:
+            items = data.load("qa", "test", fmt=fmt)
+        except (FileNotFoundError, ValueError) as e:  # the prompts are the built-in QA test passages
+            raise BenchError(f"the benchmark's prompts are the built-in QA test passages: {e}") from None
+        for it in items:
             body = it.prompt_ids[it.prefix_len:]
             if self.tail and body[-len(self.tail):] == self.tail:
                 body = body[: -len(self.tail)]

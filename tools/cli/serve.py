@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -61,7 +62,8 @@ def _load_settings(cls, config, overrides, defaults=None, hint: str = "", **kw):
     try:
         return cls.load(config, overrides, defaults=defaults, **{k: v for k, v in kw.items() if v is not None})
     except ConfigError as e:
-        fail(f"{hint}\n{e}" if hint and "model.path: Field required" in str(e) else str(e))
+        no_model = re.search(r"(^|\s)model(\.path)?: Field required", str(e))  # no model folder, or none at all
+        fail(f"{hint}\n{e}" if hint and no_model else str(e))
 
 
 def _registered(name: str):
