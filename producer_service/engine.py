@@ -128,6 +128,15 @@ class ProducerEngine(Engine):
     def __init__(self, settings: ProducerSettings, model, tokenizer=None):
         super().__init__(settings, model, tokenizer, "producer")
         self.settings: ProducerSettings = settings
+        from pathlib import Path
+
+        if not settings.consumers:
+            log.warning("no consumers configured: the producer is not ready (health NOT_SERVING, /health 503) and "
+                        "refuses every request; give --consumer NAME=HOST:PORT or consumers.NAME.address")
+        for name, ep in settings.consumers.items():  # given, so meant: a typo would serve no calibrated method
+            if ep.artifacts and not Path(ep.artifacts).is_dir():
+                raise ConfigError(f"consumers.{name}.artifacts: {ep.artifacts} is not a folder; give the pair's "
+                                  f"artifacts (<store>/{name}, written by `scd calibrate`) or leave it unset")
         self.ctxs: dict[str, CodecContext] = {
             name: self.load_context(ep.artifacts, "producer", producer_fp=self.fingerprint)
             for name, ep in settings.consumers.items()}

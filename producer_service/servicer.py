@@ -206,6 +206,9 @@ class ProducerServicer(pbg.ProducerServicer):
         return {name: status == "serving" for name, status in self.consumer_status.items()}
 
     def ready(self) -> bool:
+        """At least one consumer serves (any configured one when probes are off); none configured: not ready."""
+        if not self.engine.settings.consumers:
+            return False
         return not self.consumers_ready or any(self.consumers_ready.values())
 
     @grpc_errors

@@ -9,6 +9,7 @@ import threading
 
 import grpc
 import httpx2 as httpx
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ops_common import SEC, consumer
 from ops_support import wait_for
@@ -108,3 +109,25 @@ def test_without_probes_the_producer_serves_and_a_consumer_is_unknown(base, tok)
         r = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
         assert r.status_code == 200 and r.json()["consumers"] == {}, r.text
         assert _up(s) is None  # no probes: nothing to say
+
+
+def test_a_producer_with_no_consumers_is_not_ready(base, tok, caplog):
+    """It said SERVING and /health 200 with `"consumers": {}` while refusing every request."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        with InProcessServices([], _producer(base, tok, 0.2)) as s:
+            assert _status(s) == NOT_SERVING and _status(s, "liveness") == SERVING
+            r = httpx.get(f"http://127.0.0.1:{s.producer_server.http.port}/health")
+            assert r.status_code == 503 and r.json()["consumers"] == {}, r.text
+    assert "no consumers configured" in caplog.text and "--consumer NAME=HOST:PORT" in caplog.text
+
+
+def test_a_consumers_artifacts_folder_that_does_not_exist_is_refused_at_start(base, tok, tmp_path):
+    """It started, then warned "... for another consumer set consumers.a.artifacts", the very setting given."""
+    from shared.errors import ConfigError
+
+    s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
+                              consumers={"a": {"address": "127.0.0.1:1", "artifacts": str(tmp_path / "nope" / "a")}})
+    with pytest.raises(ConfigError, match=r"consumers.a.artifacts: .*/nope/a is not a folder"):
+        ProducerEngine(s, base, tok)
