@@ -391,11 +391,16 @@ def make_app(servicer: ProducerServicer, token: str | None = None) -> FastAPI:
                         c["delta"]["role"] = "assistant"
                         yield f"data: {json.dumps({**head, 'choices': [c], **usage_null})}\n\n"
                 tims: list[dict | None] = [None] * len(names)
+                ended = 0
                 async for i, ev, err in evs:
                     c = piece(i, "", "error", err) if err is not None else piece(i, ev.text, ev.finish_reason)
                     if ev is not None and ev.timings is not None:
                         c["scd_timings"] = tims[i] = timings(ev)
-                    yield f"data: {json.dumps({**head, 'choices': [c], **usage_null})}\n\n"
+                    ended += err is not None or bool(ev is not None and ev.finish_reason)
+                    # the usage as one consumer's stream has it: on the last chunk, unless include_usage
+                    # puts it on a chunk of its own
+                    last = {"usage": summed(tims)} if not body.include_usage and ended == len(names) else {}
+                    yield f"data: {json.dumps({**head, 'choices': [c], **usage_null, **last})}\n\n"
                 if body.include_usage:
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': summed(tims)})}\n\n"
             yield "data: [DONE]\n\n"

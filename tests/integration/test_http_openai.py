@@ -344,6 +344,14 @@ def test_stream_options_include_usage_sums_a_fan_out(svc):
     done = [c["choices"][0]["scd_timings"] for c in rest if c["choices"][0].get("scd_timings")]
     assert len(done) == 2 and last["usage"]["completion_tokens"] == 4
     assert last["usage"]["prompt_tokens"] == sum(t["prompt_tokens"] for t in done)
+    # without include_usage the summed usage is on the last chunk, as one consumer's stream has it (it had none)
+    r = httpx.post(http(svc) + "/v1/completions", headers=H, timeout=60, json={
+        "model": "chat,same", "prompt": PROMPT, "max_tokens": 2, "stream": True, "native_prefix": False})
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    *rest, last = chunks
+    assert all("usage" not in c for c in rest) and last["choices"][0]["finish_reason"], chunks
+    assert last["usage"] == {"prompt_tokens": sum(t["prompt_tokens"] for t in done), "completion_tokens": 4,
+                             "total_tokens": sum(t["prompt_tokens"] for t in done) + 4}, last
 
 
 def test_stream_options_without_stream_is_refused(svc):
