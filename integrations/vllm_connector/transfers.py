@@ -254,15 +254,29 @@ class Receiver:
         m = self.model
         nbytes = 2 * m.n_layers * h.n_tokens * m.kv_dim * torch.empty((), dtype=m.dtype).element_size()
         t = Received(h.request_id, h.n_tokens, h.method, nbytes)
+        if nbytes > self.max_bytes:  # no eviction makes room: not a retry later
+            raise InvalidRequest(f"this transfer needs {nbytes:,} bytes ({h.n_tokens} positions), over the "
+                                 f"receiver's whole budget of {self.max_bytes:,} (max_held_bytes): raise it or send "
+                                 "shorter prompts")
         with self._lock:
             self._expire()
-            old = self._held.pop(t.key, None)  # a newer transfer of the same prompt supersedes the old one
-            held = self._evict_for(nbytes)
-            if held + nbytes > self.max_bytes:
-                if old is not None:
+            old = self._held.get(t.key)
+            # a load reads it, or it is arriving: replacing it would stop counting bytes still in use, and
+            # hand its load's end (done, release) to the new one
+            if old is not None and (old.claimed or old.state == "receiving"):
+                raise PreconditionFailed(f"transfer {t.key} is held and {'being loaded' if old.claimed else 'arriving'}"
+                                         "; it serves this prompt: no second push is needed")
+            if old is not None:  # a newer transfer of the same prompt supersedes the old one
+                del self._held[t.key]
+            evictable = sum(x.nbytes for x in self._held.values() if not x.claimed and x.state != "receiving")
+            if sum(x.nbytes for x in self._held.values()) - evictable + nbytes > self.max_bytes:
+                if old is not None:  # nothing is evicted for a transfer that would not fit anyway
                     self._held[old.key] = old
-                raise ResourceExhausted(f"receiver holds {held:,} bytes of transfers; this one needs {nbytes:,} "
-                                        f"and the budget is {self.max_bytes:,} (max_held_bytes)")
+                held = sum(x.nbytes for x in self._held.values())
+                raise ResourceExhausted(f"receiver holds {held:,} bytes of transfers, {held - evictable:,} of them in "
+                                        f"use; this one needs {nbytes:,} and the budget is {self.max_bytes:,} "
+                                        "(max_held_bytes): retry when a load ends")
+            self._evict_for(nbytes)
             self._held[t.key] = t
         return t, session
 

@@ -155,9 +155,42 @@ def test_a_pinned_producer_fingerprint_is_enforced(tiny_pair):
 
 
 def test_the_held_bytes_are_bounded(tiny_pair):
-    with receiving(tiny_pair, max_bytes=10_000) as (producer, pm, _, stub), pytest.raises(grpc.RpcError) as e:
-        send(producer, pm, stub)
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_held_bytes" in e.value.details()
+    """A transfer over the whole budget is the sender's to fix (INVALID_ARGUMENT), and evicts nothing:
+    it was RESOURCE_EXHAUSTED (retry later) after dropping every transfer held."""
+    cm = EngineModel(tiny_pair[1].config)
+    one = 2 * cm.n_layers * 20 * cm.kv_dim * 4  # the decoded bytes of a 20-position transfer
+    prompts = [[7 + i] * 21 for i in range(2)]
+    with receiving(tiny_pair, max_bytes=2 * one) as (producer, pm, receiver, stub):
+        for p in prompts:
+            send(producer, pm, stub, ids=p)
+        with pytest.raises(grpc.RpcError) as e:
+            send(producer, pm, stub, ids=list(range(3, 3 + 46)))  # 45 positions: over twice one
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "over the receiver's whole budget" in e.value.details() and "max_held_bytes" in e.value.details()
+        assert len(receiver.lookup([prompt_key(p[:-1]) for p in prompts])) == 2  # both still held
+        receiver.claim(prompt_key(prompts[0][:-1]))
+        receiver.claim(prompt_key(prompts[1][:-1]))  # both being loaded: nothing can make room
+        with pytest.raises(grpc.RpcError) as e:
+            send(producer, pm, stub, ids=[9] * 21)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry when a load ends" in e.value.details()
+        assert len(receiver.lookup([prompt_key(p[:-1]) for p in prompts])) == 2
+
+
+def test_a_transfer_being_loaded_is_not_replaced_by_a_second_push(tiny_pair):
+    """The second push took its place: the old one's bytes stopped counting while its load read them, and
+    that load's release() dropped the new, good transfer."""
+    ids = [5] * 21
+    key = prompt_key(ids[:-1])
+    with receiving(tiny_pair) as (producer, pm, receiver, stub):
+        send(producer, pm, stub, ids=ids)
+        first = receiver.claim(key)
+        with pytest.raises(grpc.RpcError) as e:
+            send(producer, pm, stub, ids=ids)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "being loaded" in e.value.details()
+        assert receiver.claim(key) is first and first.state == "ready"
+        receiver.done(key)
+        send(producer, pm, stub, ids=ids)  # once no load reads it, a newer push replaces it
+        assert receiver.claim(key) is not first
 
 
 def test_held_transfers_make_room_least_recently_used_first(tiny_pair):
