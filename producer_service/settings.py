@@ -121,6 +121,13 @@ class ProducerSettings(ServiceSettings):
         return check_method_names(v, allow=("auto",))
 
     @model_validator(mode="after")
+    def _deadlines(self):
+        if self.default_deadline_s > self.max_deadline_s:  # every request without one would be cut, silently
+            raise ValueError(f"default_deadline_s ({self.default_deadline_s:g}) is over max_deadline_s "
+                             f"({self.max_deadline_s:g}), which cuts it: raise max_deadline_s or lower the default")
+        return self
+
+    @model_validator(mode="after")
     def _default_enabled(self):
         kind = self.default_method.partition(":")[0]  # a method with settings: scd:block_tokens=0.35
         if kind not in self.methods:

@@ -23,3 +23,12 @@ def test_a_value_of_the_wrong_type_is_quoted_but_a_token_is_not(tmp_path):
     said = str(e.value)
     assert "frame_timeout_s: Input should be a valid number" in said and "(got 'soon')" in said, said
     assert "security.token" in said and "987654321" not in said, said
+
+
+def test_a_default_deadline_over_the_longest_allowed_is_refused_at_start():
+    """900 s by default with requests cut to 600: the default never applied, without a word."""
+    from producer_service.settings import ProducerSettings
+
+    with pytest.raises(ConfigError, match=r"default_deadline_s \(900\) is over max_deadline_s \(600\)"):
+        ProducerSettings.load(overrides=["model.path=/x", "default_deadline_s=900"])
+    assert ProducerSettings.load(overrides=["model.path=/x", "default_deadline_s=600"]).default_deadline_s == 600
