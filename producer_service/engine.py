@@ -18,7 +18,7 @@ from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, requires, resolve_variant
 from shared.config import field_errors, first_field
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
-from shared.engine import Engine
+from shared.engine import PROFILE_KINDS, Engine
 from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
 from shared.generation import Sampling
 from shared.model.hf_adapter import PrefillState
@@ -134,9 +134,12 @@ class ProducerEngine(Engine):
             log.warning("no consumers configured: the producer is not ready (health NOT_SERVING, /health 503) and "
                         "refuses every request; give --consumer NAME=HOST:PORT or consumers.NAME.address")
         for name, ep in settings.consumers.items():  # given, so meant: a typo would serve no calibrated method
-            if ep.artifacts and not Path(ep.artifacts).is_dir():
-                raise ConfigError(f"consumers.{name}.artifacts: {ep.artifacts} is not a folder; give the pair's "
-                                  f"artifacts (<store>/{name}, written by `scd calibrate`) or leave it unset")
+            art = Path(ep.artifacts) if ep.artifacts else None  # <store>/<pair>, its profiles beside it
+            if art is not None and not art.is_dir() and not any(
+                    (art.parent / f"{art.name}.{kind}.json").exists() for kind in PROFILE_KINDS):
+                raise ConfigError(f"consumers.{name}.artifacts: {ep.artifacts} is not a folder, and no profile "
+                                  f"({art.name}.<method>.json) is beside it; give the pair's artifacts "
+                                  "(<store>/<pair>, written by `scd calibrate`) or leave it unset")
         self.ctxs: dict[str, CodecContext] = {
             name: self.load_context(ep.artifacts, "producer", producer_fp=self.fingerprint)
             for name, ep in settings.consumers.items()}

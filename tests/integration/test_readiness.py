@@ -129,5 +129,5 @@ def test_a_consumers_artifacts_folder_that_does_not_exist_is_refused_at_start(ba
 
     s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, default_method="raw",
                               consumers={"a": {"address": "127.0.0.1:1", "artifacts": str(tmp_path / "nope" / "a")}})
-    with pytest.raises(ConfigError, match=r"consumers.a.artifacts: .*/nope/a is not a folder"):
+    with pytest.raises(ConfigError, match=r"consumers.a.artifacts: .*/nope/a is not a folder, and no profile"):
         ProducerEngine(s, base, tok)
