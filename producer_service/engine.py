@@ -113,13 +113,14 @@ def calibrate_how(kind: str) -> str:
     return "" if kind in ("scd", "scd-reuse") else f" --method {kind}"
 
 
-def calibrate_hint(consumer: str, *hows: str) -> str:
+def calibrate_hint(consumer: str, *hows: str, artifacts: str | None = None) -> str:
     """What makes a consumer's missing artifacts or profiles (``hows``: each command's options), and how
     this producer then reads them (at start: it said only to set the folder, which a registered
-    pair's producer finds itself)."""
+    pair's producer finds itself). ``artifacts``: the folder the settings give, named as the place read."""
     runs = " and ".join(f"`scd calibrate --pair {consumer}{how}`" for how in dict.fromkeys(hows or ("",)))
-    return (f"run {runs}, then restart the producer (it reads a registered pair's store when it starts; for "
-            f"another consumer set consumers.{consumer}.artifacts)")
+    where = (f"it reads consumers.{consumer}.artifacts, {artifacts}, and the profiles beside it" if artifacts else
+             f"it reads a registered pair's store; for another consumer set consumers.{consumer}.artifacts")
+    return f"run {runs}, then restart the producer ({where}, when it starts)"
 
 
 class ProducerEngine(Engine):
@@ -133,13 +134,13 @@ class ProducerEngine(Engine):
         if not settings.consumers:
             log.warning("no consumers configured: the producer is not ready (health NOT_SERVING, /health 503) and "
                         "refuses every request; give --consumer NAME=HOST:PORT or consumers.NAME.address")
-        for name, ep in settings.consumers.items():  # given, so meant: a typo would serve no calibrated method
+        for name, ep in settings.consumers.items():  # given, so meant: a typo serves no calibrated method
             art = Path(ep.artifacts) if ep.artifacts else None  # <store>/<pair>, its profiles beside it
             if art is not None and not art.is_dir() and not any(
                     (art.parent / f"{art.name}.{kind}.json").exists() for kind in PROFILE_KINDS):
-                raise ConfigError(f"consumers.{name}.artifacts: {ep.artifacts} is not a folder, and no profile "
-                                  f"({art.name}.<method>.json) is beside it; give the pair's artifacts "
-                                  "(<store>/<pair>, written by `scd calibrate`) or leave it unset")
+                log.warning("consumers.%s.artifacts: %s does not exist, nor any profile beside it (%s.<method>.json):"
+                            " no calibrated method is served to %r (is it the pair's <store>/<pair>?)", name,
+                            ep.artifacts, art.name, name)
         self.ctxs: dict[str, CodecContext] = {
             name: self.load_context(ep.artifacts, "producer", producer_fp=self.fingerprint)
             for name, ep in settings.consumers.items()}
@@ -156,7 +157,8 @@ class ProducerEngine(Engine):
             if short:
                 log.warning("consumer %r has no calibration for %s: requests for %s are refused; %s.%s", name,
                             ", ".join(short), "them" if len(short) > 1 else "it",
-                            calibrate_hint(name, *map(calibrate_how, short)),
+                            calibrate_hint(name, *map(calibrate_how, short),
+                                           artifacts=settings.consumers[name].artifacts),
                             f" The default method {settings.default_method!r} is one of them: a request that names "
                             "no method is refused too" if settings.default_method in short else "")
 
@@ -268,14 +270,14 @@ class ProducerEngine(Engine):
 
     def _refuse_uncalibrated(self, kind: str, consumer: str, defaulted: bool) -> None:
         what = "the operating table" if kind == "auto" else "calibration artifacts"
-        how = calibrate_how(kind)
+        how, given = calibrate_how(kind), self.settings.consumers[consumer].artifacts
         if defaulted:  # the request named no method: the client can name one the consumer is served
             raise PreconditionFailed(
                 f"the request names no method and the producer's default, {kind!r}, needs {what} for consumer "
                 f"{consumer!r}: name a method it is served ({', '.join(self.servable(consumer))}), or "
-                + calibrate_hint(consumer, how), param="method")
+                + calibrate_hint(consumer, how, artifacts=given), param="method")
         raise PreconditionFailed(f"method {kind!r} needs {what} for consumer {consumer!r}: "
-                                 + calibrate_hint(consumer, how), param="method")
+                                 + calibrate_hint(consumer, how, artifacts=given), param="method")
 
     def _usable(self, consumer: str, point: dict) -> bool:
         """Whether ``auto`` may choose this point for this consumer: its method can be made here and

@@ -43,6 +43,8 @@ _SETTINGS_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "FAILED_PRE
                              "INTERNAL"})
 """The codes a consumer refuses a stream with when the producer's settings for it are wrong."""
 NOT_PROBED = "not probed yet"
+FRAMES_CALL_OFF_S = 5.0
+"""How long a request's end waits for its stream's frames to stop (their prefill called off, if pending)."""
 
 
 class ProducerServicer(pbg.ProducerServicer):
@@ -270,24 +272,43 @@ class ProducerServicer(pbg.ProducerServicer):
         sent = {"trailer": 0}
         failed: list[Exception] = []
 
+        # set while frames() is not running: not started, at a yield, or ended. A request ends only once it
+        # is, its prefill called off, before the client hears of the end: gRPC's task that pulls frames()
+        # is cancelled by call.cancel() only while the call is open, and a consumer that refused the
+        # stream may have closed it already; that task then pulled the next frame, running the prefill of
+        # a refused request (seen in CI as test_a_prefill_nobody_waits_for_any_more_is_called_off)
+        idle, puller = asyncio.Event(), []
+        idle.set()
+
         async def frames():
+            idle.clear()
+            puller.append(asyncio.current_task())
             try:
                 if not late:  # before the prefill: the consumer admits meanwhile
+                    idle.set()
                     yield totals.add(header())
+                    idle.clear()
                 async for item in eng.layers(p, stats, hold):
                     if item is None:  # the prefill is done, the method settled
                         if late:
+                            idle.set()
                             yield totals.add(header())
+                            idle.clear()
                             if stats.resettled:
                                 m.resettled.labels(request.consumer, p.method.kind).inc()
                         continue
                     for f in layer_frames(item.layer, item.tensors, compression=eng.settings.compression):
+                        idle.set()
                         yield totals.add(f)
+                        idle.clear()
                 sent["trailer"] = 1
+                idle.set()
                 yield totals.add(totals.trailer(stats.encode_ms, stats.prefill_ms))
             except Exception as e:  # noqa: BLE001 - our own prefill or encode failed: gRPC would only stop reading
                 failed.append(e)  # this iterator and leave the call open until its deadline; end it, and fail
                 call.cancel()  # the request with this error below
+            finally:
+                idle.set()
 
         md = self._peer_md + (((BENCH_HOLD_METADATA, "1"),) if hold else ())
         call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining, metadata=md or None)
@@ -345,6 +366,10 @@ class ProducerServicer(pbg.ProducerServicer):
             raise PeerError(code.name, f"consumer {request.consumer!r}: {msg}") from None
         finally:
             call.cancel()
+            if puller and not puller[0].done():  # it feeds this call only: cancelled, it calls off the prefill
+                puller[0].cancel()  # it waits for, or never pulls the next frame (which would start one)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(idle.wait(), FRAMES_CALL_OFF_S)
             self._calls.discard(call)
             self._shed.discard(call)
             m.frames.labels(kind).inc(1 + totals.n_chunks + sent["trailer"])  # header, chunks, trailer

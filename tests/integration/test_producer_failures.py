@@ -47,12 +47,25 @@ def test_a_group_size_the_model_cannot_take_is_invalid_argument(svc, method, par
     assert "must be a multiple of it" in ei.value.details()
 
 
-def test_a_prefill_nobody_waits_for_any_more_is_called_off(svc, monkeypatch):
+@pytest.mark.parametrize("call_closed_first", [False, True])
+def test_a_prefill_nobody_waits_for_any_more_is_called_off(svc, monkeypatch, call_closed_first):
     """Requests the consumer refuses at once (here: prompts over its 8-token limit) must not each
     cost a base prefill afterwards: while the worker is busy, eight of them are refused, and then
-    at most the prefill already running completes."""
+    at most the prefill already running completes. ``call_closed_first``: the consumer's call has
+    ended (its status arrived) before the producer ends the request; gRPC's call.cancel() then no
+    longer stopped the task pulling the frames, whose prefill ran (seen in CI under load)."""
     eng = svc.producer_engine
     real, go, calls = eng.adapter.prefill, threading.Event(), []
+    if call_closed_first:
+        import asyncio
+
+        said = svc._servicer._misconfigured
+
+        async def slow(*a):  # asked on the in-band refusal, before the request ends
+            await asyncio.sleep(0.3)
+            return await said(*a)
+
+        monkeypatch.setattr(svc._servicer, "_misconfigured", slow)
 
     def held(*a, **k):
         calls.append(1)
