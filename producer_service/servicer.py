@@ -277,12 +277,13 @@ class ProducerServicer(pbg.ProducerServicer):
         # is cancelled by call.cancel() only while the call is open, and a consumer that refused the
         # stream may have closed it already; that task then pulled the next frame, running the prefill of
         # a refused request (seen in CI as test_a_prefill_nobody_waits_for_any_more_is_called_off)
-        idle, puller = asyncio.Event(), []
+        idle, puller = asyncio.Event(), list[asyncio.Task]()  # puller: the task that runs frames()
         idle.set()
 
         async def frames():
             idle.clear()
-            puller.append(asyncio.current_task())
+            if (me := asyncio.current_task()) is not None:
+                puller.append(me)
             try:
                 if not late:  # before the prefill: the consumer admits meanwhile
                     idle.set()
