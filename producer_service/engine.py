@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -18,7 +19,7 @@ from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, requires, resolve_variant
 from shared.config import field_errors, first_field
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
-from shared.engine import PROFILE_KINDS, Engine
+from shared.engine import Engine
 from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
 from shared.generation import Sampling
 from shared.model.hf_adapter import PrefillState
@@ -129,21 +130,17 @@ class ProducerEngine(Engine):
     def __init__(self, settings: ProducerSettings, model, tokenizer=None):
         super().__init__(settings, model, tokenizer, "producer")
         self.settings: ProducerSettings = settings
-        from pathlib import Path
-
         if not settings.consumers:
             log.warning("no consumers configured: the producer is not ready (health NOT_SERVING, /health 503) and "
                         "refuses every request; give --consumer NAME=HOST:PORT or consumers.NAME.address")
-        for name, ep in settings.consumers.items():  # given, so meant: a typo serves no calibrated method
-            art = Path(ep.artifacts) if ep.artifacts else None  # <store>/<pair>, its profiles beside it
-            if art is not None and not art.is_dir() and not any(
-                    (art.parent / f"{art.name}.{kind}.json").exists() for kind in PROFILE_KINDS):
-                log.warning("consumers.%s.artifacts: %s does not exist, nor any profile beside it (%s.<method>.json):"
-                            " no calibrated method is served to %r (is it the pair's <store>/<pair>?)", name,
-                            ep.artifacts, art.name, name)
         self.ctxs: dict[str, CodecContext] = {
             name: self.load_context(ep.artifacts, "producer", producer_fp=self.fingerprint)
             for name, ep in settings.consumers.items()}
+        for name, ep in settings.consumers.items():  # given, so meant: a typo serves no calibrated method
+            if ep.artifacts and not Path(ep.artifacts).is_dir() and not self.ctxs[name].profiles:
+                log.warning("consumers.%s.artifacts: %s does not exist, nor any profile beside it (%s.<method>.json):"
+                            " no calibrated method is served to %r (is it the pair's <store>/<pair>?)", name,
+                            ep.artifacts, Path(ep.artifacts).name, name)
         self._prefills: OrderedDict[tuple, PrefillState] = OrderedDict()  # used on the worker thread only
         self.prefill_cache_nbytes = 0  # what the kept states hold (written on the worker thread only)
         self._inflight: dict[tuple, _Inflight] = {}  # prompt -> its prefill running now (event loop only)

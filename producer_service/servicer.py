@@ -272,47 +272,47 @@ class ProducerServicer(pbg.ProducerServicer):
         sent = {"trailer": 0}
         failed: list[Exception] = []
 
-        # set while frames() is not running: not started, at a yield, or ended. A request ends only once it
-        # is, its prefill called off, before the client hears of the end: gRPC's task that pulls frames()
-        # is cancelled by call.cancel() only while the call is open, and a consumer that refused the
-        # stream may have closed it already; that task then pulled the next frame, running the prefill of
-        # a refused request (seen in CI as test_a_prefill_nobody_waits_for_any_more_is_called_off)
-        idle, puller = asyncio.Event(), list[asyncio.Task]()  # puller: the task that runs frames()
-        idle.set()
-
         async def frames():
-            idle.clear()
-            if (me := asyncio.current_task()) is not None:
-                puller.append(me)
             try:
                 if not late:  # before the prefill: the consumer admits meanwhile
-                    idle.set()
                     yield totals.add(header())
-                    idle.clear()
                 async for item in eng.layers(p, stats, hold):
                     if item is None:  # the prefill is done, the method settled
                         if late:
-                            idle.set()
                             yield totals.add(header())
-                            idle.clear()
                             if stats.resettled:
                                 m.resettled.labels(request.consumer, p.method.kind).inc()
                         continue
                     for f in layer_frames(item.layer, item.tensors, compression=eng.settings.compression):
-                        idle.set()
                         yield totals.add(f)
-                        idle.clear()
                 sent["trailer"] = 1
-                idle.set()
                 yield totals.add(totals.trailer(stats.encode_ms, stats.prefill_ms))
             except Exception as e:  # noqa: BLE001 - our own prefill or encode failed: gRPC would only stop reading
                 failed.append(e)  # this iterator and leave the call open until its deadline; end it, and fail
                 call.cancel()  # the request with this error below
+
+        # set while frames() is not running: not started, at a yield, or ended. A request ends only once it
+        # is, its prefill called off, before the client hears of the end: gRPC's task that pulls the frames
+        # is cancelled by call.cancel() only while the call is open, and a consumer that refused the
+        # stream may have closed it already; that task then pulled the next frame, running the prefill of
+        # a refused request (seen in CI as test_a_prefill_nobody_waits_for_any_more_is_called_off)
+        idle, puller = asyncio.Event(), list[asyncio.Task]()  # puller: the task that pulls the frames
+        idle.set()
+
+        async def tracked():
+            idle.clear()
+            if (me := asyncio.current_task()) is not None:
+                puller.append(me)
+            try:
+                async for f in frames():
+                    idle.set()
+                    yield f
+                    idle.clear()
             finally:
                 idle.set()
 
         md = self._peer_md + (((BENCH_HOLD_METADATA, "1"),) if hold else ())
-        call = pbg.ConsumerStub(self.channel(p.address)).Transfer(frames(), timeout=remaining, metadata=md or None)
+        call = pbg.ConsumerStub(self.channel(p.address)).Transfer(tracked(), timeout=remaining, metadata=md or None)
         self._calls.add(call)
         kind = p.method.kind
         if p.auto is not None:

@@ -268,14 +268,14 @@ class Receiver:
                                          "; it serves this prompt: no second push is needed")
             if old is not None:  # a newer transfer of the same prompt supersedes the old one
                 del self._held[t.key]
-            evictable = sum(x.nbytes for x in self._held.values() if not x.claimed and x.state != "receiving")
-            if sum(x.nbytes for x in self._held.values()) - evictable + nbytes > self.max_bytes:
+            in_use = sum(x.nbytes for x in self._held.values() if x.claimed or x.state == "receiving")
+            if in_use + nbytes > self.max_bytes:
                 if old is not None:  # nothing is evicted for a transfer that would not fit anyway
                     self._held[old.key] = old
                 held = sum(x.nbytes for x in self._held.values())
-                raise ResourceExhausted(f"receiver holds {held:,} bytes of transfers, {held - evictable:,} of them in "
-                                        f"use; this one needs {nbytes:,} and the budget is {self.max_bytes:,} "
-                                        "(max_held_bytes): retry when a load ends")
+                raise ResourceExhausted(f"receiver holds {held:,} bytes of transfers, {in_use:,} of them in use; this "
+                                        f"one needs {nbytes:,} and the budget is {self.max_bytes:,} (max_held_bytes): "
+                                        "retry when a load ends")
             self._evict_for(nbytes)
             self._held[t.key] = t
         return t, session
