@@ -68,6 +68,7 @@ image: install
 	tools/deploy/base-image.sh scd-base:bookworm
 	tools/deploy/wheelhouse.sh $(WHEELHOUSE) $(PY)
 	docker build -q -f deploy/Dockerfile --build-arg BASE_IMAGE=scd-base:bookworm -t $(IMAGE) -t scd-serve:latest .
+	docker image prune -f --filter label=org.scd-serve.stage=build >/dev/null
 
 # compose up with the two containers on separate networks, requests, metrics; the image with no
 # arguments; the Kubernetes pods simulated under docker run. Stops the daemon if it started it.

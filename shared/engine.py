@@ -13,6 +13,7 @@ from shared.errors import ConfigError
 from shared.model.fingerprint import weights_fingerprint
 from shared.model.hf_adapter import ModelAdapter
 from shared.model.prompt import PromptFormat
+from shared.paths import profile_path
 
 
 class TorchWorker:
@@ -87,6 +88,6 @@ def load_context(adapter: ModelAdapter, folder: str | Path | None, side: str, pr
         meta, tensors = store.load(folder, side, producer_fp, consumer_fp)
         ctx.artifacts = PairArtifacts(meta, tensors, side)
     for kind in profiles:
-        if kind in needs_prof or (folder.parent / f"{folder.name}.{kind}.json").exists():
+        if kind in needs_prof or profile_path(folder.parent, folder.name, kind).exists():
             ctx.profiles[kind] = store.load_profile(folder.parent, folder.name, kind, producer_fp, consumer_fp)
     return ctx

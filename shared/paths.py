@@ -18,6 +18,11 @@ def scd_home() -> Path:
     return Path(base) / "scd"
 
 
+def profile_path(store_dir: str | Path, pair: str, kind: str) -> Path:
+    """Where pair ``pair``'s ``kind`` profile lives: ``<store>/<pair>.<kind>.json``, beside its folder."""
+    return Path(store_dir) / f"{pair}.{kind}.json"
+
+
 def models_dir() -> Path:
     return scd_home() / "models"
 

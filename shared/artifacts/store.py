@@ -21,6 +21,7 @@ from shared.artifacts.meta import FORMAT_VERSION, ArtifactMeta
 from shared.artifacts.profiles import PROFILE_FORMAT_VERSION, PROFILES, Profile
 from shared.config import field_errors
 from shared.errors import DataLoss, FingerprintMismatch, NotFound, PreconditionFailed
+from shared.paths import profile_path
 
 SIDES = ("producer", "consumer")
 
@@ -143,7 +144,7 @@ def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, pro
     with weights (the ridge mapper) adds ``<pair>.<kind>.safetensors``, whose sha256 the JSON records."""
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
-    path = store_dir / f"{pair}.{kind}.json"
+    path = profile_path(store_dir, pair, kind)
     body = {"pair": pair, "kind": kind, "format_version": PROFILE_FORMAT_VERSION,
             "producer_fingerprint": producer_fingerprint, "consumer_fingerprint": consumer_fingerprint, **payload}
     if tensors is not None:
@@ -166,7 +167,7 @@ def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerpri
     """A baseline's profile, validated against its kind's model (``profiles.py``) and pinned to the
     fingerprints given; ``sha256`` is the file's content hash (the stream header carries it, so both
     sides must hold the same profile), ``tensors`` the maps when the profile has any."""
-    path = Path(store_dir) / f"{pair}.{kind}.json"
+    path = profile_path(store_dir, pair, kind)
     if not path.exists():
         raise NotFound(f"no {kind} profile at {path}: run `scd calibrate --pair {pair} --method {kind}`")
     raw = path.read_bytes()

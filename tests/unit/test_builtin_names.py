@@ -56,3 +56,27 @@ def test_scd_assets_leaves_a_users_pair_of_a_built_in_name_and_says_so(home, fol
     assert "pair 'mild'" in res.output and "scd pair remove mild" in res.output, res.output
     assert registry.get("mild") == before and not before.builtin
     assert all(registry.get(p).builtin for p in models.PAIRS if p != "mild")
+
+
+def test_scd_assets_pair_prepares_only_the_consumers_named(home, folders, monkeypatch):
+    """A node serving one consumer needs two models, not five (~0.5 GB each): `--pair` names them;
+    an unknown name is a usage error naming the built-in pairs, before anything is built."""
+    from tools import data
+    from tools.assets import models
+
+    built: list[str] = []
+    monkeypatch.setattr(models, "convert_producer", lambda: folders["producer"])
+    monkeypatch.setattr(models, "build_consumer", lambda p: built.append(p) or folders["builtin"])
+    monkeypatch.setattr(models, "producer_dir", lambda: folders["producer"])
+    monkeypatch.setattr(models, "consumer_dir", lambda p: folders["builtin"])
+    monkeypatch.setattr(data, "is_ready", lambda: True)
+
+    res = CliRunner().invoke(app, ["assets", "--pair", "code,strong", "--pair", "code"])
+    assert res.exit_code == 0, res.output
+    assert built == ["strong", "code"] and registry.names() == ["code", "strong"]
+
+    for bad in (["--pair", "strong,strnog"], ["--pair", ","]):
+        res = CliRunner().invoke(app, ["assets", *bad])
+        assert res.exit_code == 2 and "strong, mild, code, verse" in res.output, res.output
+        assert "--pair" in res.output
+    assert built == ["strong", "code"]

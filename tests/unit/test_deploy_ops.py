@@ -26,6 +26,8 @@ def test_compose_shares_the_store_and_the_secret_and_joins_the_nodes_only_by_grp
     prod, cons, assets = svcs["producer"], svcs["consumer-strong"], svcs["assets"]
     assert any(p.endswith(":8080") for p in prod["ports"]) and any(p.endswith(":9090") for p in cons["ports"])
     assert assets["command"][:3] == ["assets", "--store", "/store"]  # the job publishes the store it mounts
+    # it prepares the consumer served (only: each built-in model is ~0.5 GB of the volume)
+    assert assets["command"][3:] == ["--pair", "strong"]
     for svc in (prod, cons):
         assert "scd_token" in svc["secrets"]
         assert "store:/store:ro" in svc["volumes"]
@@ -89,7 +91,7 @@ def test_k8s_images_are_not_pulled_from_a_registry_and_liveness_is_not_readiness
     # every pod prepares the models and publishes the store on the shared volume before it serves
     for p in pods:
         (init,) = p["initContainers"]
-        assert init["args"][:3] == ["assets", "--store", "/artifacts/store"]
+        assert init["args"] == ["assets", "--store", "/artifacts/store", "--pair", "strong"]
         assert {"name": "SCD_HOME", "value": "/artifacts"} in init["env"]
         assert p["securityContext"]["fsGroup"] == p["securityContext"]["runAsUser"]  # the volume is writable
     # a producer whose consumer is down is not ready, but it must not be restarted for it

@@ -264,7 +264,15 @@ def test_devices_are_checked_before_any_weight_is_read(home, folders):
     assert r.invoke(app, ["pair", "add", "dev", "--producer", folders["producer"], "--consumer",
                           folders["consumer"]]).exit_code == 0
     res = r.invoke(app, ["eval", "--pair", "dev", "--device", "gpu", "--n", "1", "--methods", "oracle,raw"])
-    assert res.exit_code == 2 and "pair 'dev': device 'gpu' is not a device" in res.output, res.output
+    assert res.exit_code == 2 and "'gpu' is not a device" in res.output and "--device" in res.output, res.output
+    # every command that loads models reads --device and --dtype when it starts, not after minutes of work
+    for cmd in (["bench", "--quick"], ["calibrate", "--pair", "dev"], ["eval", "--pair", "dev"]):
+        for flag, bad, match in (("--device", "tpu", "use cpu, cuda or cuda:N"),
+                                 ("--device", "cuda:", "use cpu, cuda or cuda:N"),
+                                 ("--dtype", "float64", "expected one of float32")):
+            res = r.invoke(app, [*cmd, flag, bad])
+            said = " ".join(res.output.replace("│", " ").split())  # typer's error box wraps lines
+            assert res.exit_code == 2 and match in said and f"'{flag}': '{bad}'" in said, (cmd, flag, said)
 
 
 @pytest.mark.parametrize("args, match", [

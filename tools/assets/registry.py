@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.config import field_errors
 from shared.errors import ConfigError, NotFound
-from shared.paths import STORE_DIR, scd_home
+from shared.paths import STORE_DIR, profile_path, scd_home
 
 FORMAT_VERSION = 1
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -414,8 +414,8 @@ def profile_files(store: str | Path, name: str) -> dict[str, Path]:
     ``<store>/<name>.<kind>.json`` of a known kind, never another pair's whose name starts with
     ``<name>.`` (a glob of ``<name>.*.json`` took pair ``a.b``'s ``a.b.spectrum.json`` for pair ``a``'s)."""
     store = Path(store)
-    return {kind: store / f"{name}.{kind}.json" for kind in sorted(PROFILE_KINDS)
-            if (store / f"{name}.{kind}.json").exists()}
+    paths = {kind: profile_path(store, name, kind) for kind in sorted(PROFILE_KINDS)}
+    return {kind: p for kind, p in paths.items() if p.exists()}
 
 
 def stored(entry: PairEntry, store: str | Path | None = None) -> dict:
@@ -456,7 +456,7 @@ def uncalibrated(kinds, store: str | Path, name: str) -> list[str]:
     def has(kind: str) -> bool:
         needs = requires(kind)
         return (("artifacts" not in needs or (folder / "meta.json").exists())
-                and ("profile" not in needs or (folder.parent / f"{name}.{kind}.json").exists()))
+                and ("profile" not in needs or profile_path(folder.parent, name, kind).exists()))
 
     return [k for k in kinds if not has(k)]
 

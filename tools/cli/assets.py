@@ -19,6 +19,9 @@ def assets(
     store: Optional[Path] = typer.Option(None, help="A shared artifact store (a mounted volume) to publish the "
                                                   "built-in pairs' committed artifacts into; files that differ are "
                                                   "replaced."),
+    pair: Optional[list[str]] = typer.Option(
+        None, "--pair", help="Only these built-in pairs' consumers (repeat, or comma-separate; default: all four). "
+                             "A node that serves one consumer needs the producer model and that one (~0.5 GB each)."),
     verbose: Verbose = False,
 ) -> None:
     """Prepare every built-in asset (idempotent): the producer model, the consumers, the data splits,
@@ -31,8 +34,9 @@ def assets(
     from tools.assets import registry
     from tools.assets.models import PAIRS, build_consumer, consumer_dir, convert_producer, load_tokenizer, producer_dir
 
+    pairs = _chosen(pair, PAIRS)
     steps = [("producer model", convert_producer)] + [
-        (f"consumer {p}", lambda p=p: build_consumer(p)) for p in PAIRS
+        (f"consumer {p}", lambda p=p: build_consumer(p)) for p in pairs
     ]
     steps.append(("data splits", lambda: data.is_ready() and not force_data or data.build(load_tokenizer())))
     kept: list[str] = []  # a pair of the user's under a built-in name: left as it is, said at the end
@@ -43,7 +47,7 @@ def assets(
         except registry.UsersPair as e:
             kept.append(str(e))
 
-    steps += [(f"register {p}", lambda p=p: register(p)) for p in PAIRS]
+    steps += [(f"register {p}", lambda p=p: register(p)) for p in pairs]
     from shared.paths import scd_home
 
     try:
@@ -68,6 +72,20 @@ def assets(
             fail(f"cannot publish the artifact store into {store}: {e}")
         typer.echo(f"artifact store {store}: {written} files written, {current} already current")
     typer.echo(f"assets ready under {scd_home()}; pairs registered in {registry.registry_path()}")
+
+
+def _chosen(given: list[str] | None, builtin: tuple[str, ...]) -> tuple[str, ...]:
+    """The built-in pairs ``--pair`` names (all when none), in their usual order; an unknown name is
+    a usage error that lists the built-in ones (a pair of your own is added with ``scd pair add``)."""
+    if not given:
+        return builtin
+    names = {n.strip() for g in given for n in g.split(",") if n.strip()}
+    unknown = sorted(names - set(builtin))
+    if unknown or not names:
+        raise typer.BadParameter(f"{', '.join(map(repr, unknown)) or 'no pair'}: `scd assets` prepares the built-in "
+                                 f"pairs {', '.join(builtin)}; a pair of your own is added with `scd pair add`",
+                                 param_hint="--pair")
+    return tuple(p for p in builtin if p in names)
 
 
 @contextlib.contextmanager

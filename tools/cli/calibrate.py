@@ -232,6 +232,7 @@ def _check_store(method: str, pair: str, out: Path | None) -> None:
     one-line error, not a traceback after the models have loaded."""
     from shared.artifacts import store
     from shared.errors import SCDError
+    from shared.paths import profile_path
     from tools.cli.common import check_store
 
     e = entry(pair)
@@ -246,7 +247,7 @@ def _check_store(method: str, pair: str, out: Path | None) -> None:
                 fail(f"pair {pair!r}'s codes are fp16 (code_bits={meta.code_bits}); refine needs int8 codes")
         if method == "auto":
             for kind in _auto_reads():
-                if (where / f"{pair}.{kind}.json").exists():
+                if profile_path(where, pair, kind).exists():
                     store.load_profile(where, pair, kind, pfp, cfp)
     except SCDError as err:
         fail(str(err))

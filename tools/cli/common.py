@@ -4,6 +4,7 @@ prompt format, data and artifact store."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -103,10 +104,27 @@ def output_file(path: Path | None) -> Path | None:
     return path
 
 
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def _device_name(value: str) -> str:
+    """``--device`` checked when the command line is read (whether this machine has the device is
+    checked where the models load): a typo fails before minutes of work, not after."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise typer.BadParameter(f"{value!r} is not a device; use cpu, cuda or cuda:N")
+    return value
+
+
+def _dtype_name(value: str) -> str:
+    if value not in DTYPES:
+        raise typer.BadParameter(f"{value!r}: expected one of {', '.join(DTYPES)}")
+    return value
+
+
 # the options several commands take, each with its help text once
-Device = Annotated[str, typer.Option(help="Where the models run: cpu, cuda or cuda:N.")]
-DType = Annotated[str, typer.Option(help="The models' dtype: float32 (fp32; on CPU), bfloat16 (bf16) or float16 "
-                                         "(fp16).")]
+Device = Annotated[str, typer.Option(callback=_device_name, help="Where the models run: cpu, cuda or cuda:N.")]
+DType = Annotated[str, typer.Option(callback=_dtype_name, help="The models' dtype: float32 (fp32; on CPU), bfloat16 "
+                                                               "(bf16) or float16 (fp16).")]
 Verbose = Annotated[bool, typer.Option("-v", "--verbose", help="Log progress at INFO (default: warnings and errors).")]
 JsonOut = Annotated[Optional[Path], typer.Option("--json", callback=output_file,
                                                  help="Also write the results to this JSON file.")]
