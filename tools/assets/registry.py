@@ -162,7 +162,7 @@ def get(name: str) -> PairEntry:
     reg = load()
     if name not in reg.pairs:
         known = sorted(reg.pairs)
-        hint = "run `scd assets` to register the built-in pairs" if name in PAIRS else \
+        hint = f"run `scd assets --pair {name}` (or `scd assets`: all built-in pairs)" if name in PAIRS else \
             "register it with `scd pair add NAME --producer DIR --consumer DIR` (or --consumer-adapter DIR)"
         raise NotFound(f"unknown pair {name!r} (registered: {known or 'none'}; registry {registry_path()}): {hint}")
     return reg.pairs[name]
