@@ -5,9 +5,21 @@
 set -euo pipefail
 STATE=${SCD_DEPLOY_STATE:-${SCD_HOME:-$HOME/.cache/scd}/deploy}
 mkdir -p "$STATE"
+# the image build peaks at ~5 GB in the daemon's data root (the build stage, pruned after), the
+# deploy tests at ~3 GB (the image and one models volume): a full disk fails deep inside a test
+free_space() {
+  local root gb
+  root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null | tr -d '\n') || true
+  root=${root:-/var/lib/docker}
+  while [ ! -d "$root" ] && [ "$root" != / ]; do root=$(dirname "$root"); done
+  gb=$(df -Pk "$root" 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ -n "$gb" ] && [ "$gb" -lt 6 ]; then
+    echo "warning: $gb GB free under $root; make image and make test-deploy need about 6 GB" >&2
+  fi
+}
 case "${1:-}" in
   start)
-    if docker info >/dev/null 2>&1; then echo "docker daemon: already running"; exit 0; fi
+    if docker info >/dev/null 2>&1; then echo "docker daemon: already running"; free_space; exit 0; fi
     if ! command -v dockerd >/dev/null; then
       echo "docker daemon: installing Debian's docker.io (apt-get)"
       export DEBIAN_FRONTEND=noninteractive
@@ -19,6 +31,7 @@ case "${1:-}" in
     docker info >/dev/null 2>&1 || { echo "dockerd did not start; see $STATE/dockerd.log" >&2; tail -n 20 "$STATE/dockerd.log" >&2; exit 1; }
     touch "$STATE/dockerd.started"
     echo "docker daemon: started (log $STATE/dockerd.log)"
+    free_space
     ;;
   stop)
     [ -f "$STATE/dockerd.started" ] || { echo "docker daemon: not started by us, left running"; exit 0; }
