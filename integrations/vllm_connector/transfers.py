@@ -177,9 +177,14 @@ class Received:
     error: str = ""
     wire_bytes: int = 0
     used: float = field(default_factory=time.monotonic)  # arrival, then the end of its last load
-    claimed: bool = False
+    claims: int = 0  # loads reading it now (several requests may start with the same prompt)
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cond: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def claimed(self) -> bool:
+        """A load is reading it: not to be evicted, expired or replaced."""
+        return self.claims > 0
 
     def layer(self, i: int, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s K/V once decoded; ``TransferFailed`` if the transfer failed or it took too long."""
@@ -331,11 +336,12 @@ class Receiver:
                     for k in keys if (t := self._held.get(k)) is not None]
 
     def claim(self, key: str) -> Received | None:
-        """The transfer a load will read (kept until ``release``), or None if it is not held."""
+        """The transfer a load will read, or None if it is not held. It is kept (not evicted, expired
+        or replaced) until each load that claimed it calls ``done`` or ``release``."""
         with self._lock:
             t = self._held.get(key)
             if t is not None:
-                t.claimed = True
+                t.claims += 1
             return t
 
     def done(self, key: str) -> None:
@@ -344,12 +350,16 @@ class Receiver:
         with self._lock:
             t = self._held.get(key)
             if t is not None:
-                t.claimed, t.used = False, time.monotonic()
+                t.claims, t.used = max(0, t.claims - 1), time.monotonic()
 
     def release(self, key: str) -> None:
-        """Drop ``key`` (a failed load)."""
+        """A load of ``key`` failed: drop the transfer, once no other load reads it."""
         with self._lock:
-            self._held.pop(key, None)
+            t = self._held.get(key)
+            if t is not None:
+                t.claims = max(0, t.claims - 1)
+                if not t.claimed:
+                    del self._held[key]
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -178,7 +178,8 @@ def test_the_held_bytes_are_bounded(tiny_pair):
 
 def test_a_transfer_being_loaded_is_not_replaced_by_a_second_push(tiny_pair):
     """The second push took its place: the old one's bytes stopped counting while its load read them, and
-    that load's release() dropped the new, good transfer."""
+    that load's release() dropped the new, good transfer. Two loads of one prompt (two requests that
+    start with it): the first one's end made it replaceable (and evictable) while the second read it."""
     ids = [5] * 21
     key = prompt_key(ids[:-1])
     with receiving(tiny_pair) as (producer, pm, receiver, stub):
@@ -187,10 +188,19 @@ def test_a_transfer_being_loaded_is_not_replaced_by_a_second_push(tiny_pair):
         with pytest.raises(grpc.RpcError) as e:
             send(producer, pm, stub, ids=ids)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "being loaded" in e.value.details()
-        assert receiver.claim(key) is first and first.state == "ready"
+        assert receiver.claim(key) is first and first.state == "ready"  # a second load of the same prompt
         receiver.done(key)
-        send(producer, pm, stub, ids=ids)  # once no load reads it, a newer push replaces it
-        assert receiver.claim(key) is not first
+        with pytest.raises(grpc.RpcError) as e:  # the second load still reads it
+            send(producer, pm, stub, ids=ids)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "being loaded" in e.value.details()
+        receiver.release(key)  # the second load failed: nobody reads it now, and it is dropped
+        assert receiver.lookup([key]) == []
+        send(producer, pm, stub, ids=ids)  # a newer push is held
+        second = receiver.claim(key)
+        assert second is not first and second.state == "ready"
+        receiver.claim(key)
+        receiver.release(key)  # one of two loads failed: the other's transfer stays
+        assert receiver.claim(key) is second
 
 
 def test_held_transfers_make_room_least_recently_used_first(tiny_pair):
