@@ -236,8 +236,9 @@ class ProducerServicer(pbg.ProducerServicer):
         if method not in self.engine.settings.methods:  # a bounded set of metric labels
             method = "unknown"
         t0, first, last, sent = time.perf_counter(), None, None, 0
+        totals = StreamTotals()  # what went to the consumer, also when the request fails or is called off
         try:
-            async for ev in self._generate(request, time_remaining, hold):
+            async for ev in self._generate(request, time_remaining, hold, totals):
                 first = first or time.perf_counter()
                 sent += 1
                 if ev.timings is not None:
@@ -255,10 +256,11 @@ class ProducerServicer(pbg.ProducerServicer):
                 log_request(request.request_id, consumer=request.consumer, method=last.method if last else method,
                             outcome=outcome, prompt_tokens=last.prompt_tokens if last else "-",
                             completion_tokens=last.completion_tokens if last else sent if first else "-",
-                            ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=last.wire_bytes if last else "-",
+                            ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=totals.wire_bytes,
                             total_ms=(time.perf_counter() - t0) * 1e3)
 
-    async def _generate(self, request: GenerateRequest, time_remaining: float | None, hold: bool):
+    async def _generate(self, request: GenerateRequest, time_remaining: float | None, hold: bool,
+                        totals: StreamTotals):
         eng, m = self.engine, self.metrics
         t0, t0_unix = time.perf_counter(), time.time()
         p = eng.prepare(request)
@@ -268,7 +270,7 @@ class ProducerServicer(pbg.ProducerServicer):
         def header():  # built when sent: it carries the method's settings as settled by then
             return header_frame(eng.header(p, request.request_id, t0_unix + remaining))
 
-        totals, stats = StreamTotals(), StreamStats()
+        stats = StreamStats()
         sent = {"trailer": 0}
         failed: list[Exception] = []
 

@@ -5,6 +5,7 @@ Every wait is a bounded poll; nothing asserts a timing."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import signal
 import socket
 import struct
@@ -99,6 +100,9 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch,
 
     wait_for(lambda: logged(f"prompt_tokens={len(PROMPT)} ", "bytes_in="), what="the consumer's request log")
     wait_for(lambda: logged("consumer=same"), what="the producer's request log")
+    # ... and the bytes the producer had sent the consumer by then (it said wire_bytes=-)
+    assert any(re.search(r" wire_bytes=[1-9]\d* ", m) for r in caplog.records if r.name == "scd.access"
+               for m in [r.getMessage()] if "outcome=cancelled" in m and "consumer=same" in m), caplog.text
 
     # the same through the HTTP front: the client reads one event and hangs up
     body = {"model": "same", "prompt": PROMPT, "max_tokens": 3999, "stream": True, "method": "raw"}
