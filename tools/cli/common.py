@@ -104,7 +104,10 @@ def output_file(path: Path | None) -> Path | None:
     return path
 
 
-DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+"""``--dtype``'s names, each to its torch dtype's name (``torch_dtype`` reads it; the CLI checks it
+without importing torch)."""
 
 
 def _device_name(value: str) -> str:
@@ -149,11 +152,9 @@ def output_dir(path: Path | None) -> Path | None:
 def torch_dtype(name: str):
     import torch
 
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise typer.BadParameter(f"expected one of {sorted(table)}, got {name!r}")
-    return table[name]
+    if name not in DTYPES:
+        raise typer.BadParameter(f"expected one of {sorted(DTYPES)}, got {name!r}")
+    return getattr(torch, DTYPES[name])
 
 
 def entry(pair: str):
