@@ -39,6 +39,7 @@ def check_sampling(sp) -> None:
     (``Sampling``: temperature, top_p, stop), before the prefill; the consumer checks
     ``max_new_tokens`` against its own limit."""
     import math
+    import struct
 
     if not 0 <= sp.max_new_tokens < 2**32:
         raise InvalidRequest(f"max_new_tokens={sp.max_new_tokens}; send 1 to the consumer's limit (0: its default)",
@@ -48,6 +49,9 @@ def check_sampling(sp) -> None:
     for name in ("temperature", "top_p"):
         if not math.isfinite(getattr(sp, name)):
             raise InvalidRequest(f"{name} must be a finite number", param=name)
+    if 0 < sp.top_p < 1e-37 and struct.unpack("f", struct.pack("f", sp.top_p))[0] == 0:  # the wire's top_p is a float32
+        raise InvalidRequest(f"top_p={sp.top_p:g} is 0 in the wire's 32-bit float, which means unset (1.0); send at "
+                             "least 1e-38 (so small a nucleus keeps the most likely token alone)", param="top_p")
     try:  # the consumer's own rules (top_p 0 is the wire's "unset": 1)
         Sampling(temperature=sp.temperature, top_p=sp.top_p or 1.0, stop=tuple(sp.stop))
     except ValidationError as e:

@@ -41,7 +41,10 @@ class Sampling(BaseModel):
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
     if s.temperature == 0.0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    logits = logits.float()
+    # less the largest first: a tiny temperature then sends the others to -inf, not the largest to +inf
+    # (inf - inf is NaN: 1e-40 failed every request)
+    probs = torch.softmax((logits - logits.max()) / s.temperature, dim=-1)
     if s.top_p < 1.0:
         sp, idx = probs.sort(descending=True)
         keep = sp.cumsum(0) - sp < s.top_p
