@@ -21,6 +21,7 @@ from shared.config import (
     check_grpc_target,
     check_method_names,
 )
+from shared.auto import LINK_MBPS
 from shared.errors import SCDError
 from shared.rpc.security import SecuritySettings
 
@@ -33,7 +34,7 @@ class ConsumerEndpoint(Checked):
     tokenizer: str | None = None
     """A folder whose tokenizer and chat template format text prompts for this consumer (its pair's:
     the model that answers); default: the producer's own. Must share the producer's vocabulary."""
-    link_mbps: float | None = Field(None, gt=0)
+    link_mbps: float | None = Field(None, **LINK_MBPS)
     """The link rate to this consumer that ``auto`` plans for, Mbit/s; default: measured from recent
     transfers (1,000 until one has been seen)."""
 

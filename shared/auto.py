@@ -42,10 +42,14 @@ MIN_SAMPLE_BYTES = 256 << 10
 """Transfers smaller than this are latency-bound: they say little about the link's rate."""
 
 
+LINK_MBPS = {"ge": 0.001, "le": 1e7}
+"""The link rates ``auto`` plans for, Mbit/s: 1 kbit/s to 10 Tbit/s (1e-300 planned a transfer of 10^300 ms)."""
+
+
 class AutoSettings(Checked):
     """What a request may set for ``auto`` (its method parameters)."""
 
-    link_mbps: float | None = Field(None, gt=0)
+    link_mbps: float | None = Field(None, **LINK_MBPS)
     """The link rate to plan for, Mbit/s (default: the consumer's setting, else measured)."""
     max_kl_vs_raw: float | None = Field(None, gt=0)
     """Quality bound: validation KL at most this multiple of raw transfer's (default: 1, and 0.5
@@ -109,7 +113,7 @@ def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, setti
     tied = [p for p in tied if p["kl"] <= low * (1 + settings.kl_tolerance)]
     best = min(tied, key=lambda p: (p["bytes_per_token"], ms_of(p)))
     ms = ms_of(best)
-    reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {link_mbps:.0f} Mbit/s "
+    reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {link_mbps:{'.0f' if link_mbps >= 1 else '.3g'}} Mbit/s "
               f"({link_source}); validation KL {best['kl']:.4f}, bound {bound:.4f} ({rule})")
     if best is not fastest:
         reason += (f"; a tie with the fastest ({fastest['label']} {ms_of(fastest):.0f} ms, KL {fastest['kl']:.4f}: "

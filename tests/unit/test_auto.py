@@ -84,9 +84,12 @@ def test_settings_are_checked_with_a_message_that_names_them():
     with pytest.raises(InvalidRequest, match=r"bits: not a known setting \(its settings: link_mbps, max_kl_vs_raw, "
                        r"time_tolerance, kl_tolerance\)"):
         AutoSettings.parse({"bits": "4"})
-    with pytest.raises(InvalidRequest, match="link_mbps: Input should be greater than 0"):
-        AutoSettings.parse({"link_mbps": "0"})
+    for rate in ("0", "1e-300", "5e-324", "1e308"):  # a plan of 10^300 ms (or inf) at "0 Mbit/s"
+        with pytest.raises(InvalidRequest, match=r"link_mbps: Input should be (greater|less) than or equal to") as e:
+            AutoSettings.parse({"link_mbps": rate})
+        assert e.value.param == "link_mbps"
     assert AutoSettings.parse({"link_mbps": "250"}).link_mbps == 250
+    assert AutoSettings.parse({"link_mbps": "0.001"}).link_mbps == 0.001
 
 
 def test_the_link_estimate_is_the_best_recent_goodput_of_transfers_big_enough_to_say():
