@@ -76,6 +76,17 @@ def _scalar(v):
     return parsed if isinstance(parsed, (int, float, bool)) else v
 
 
+def same_setting(a, b) -> bool:
+    """Whether two spellings of a setting say the same: equal text, or equal numbers or booleans
+    (``0.35`` and ``0.350``; ``1`` and ``1.0``; never ``1`` and ``true``)."""
+    if a == b:
+        return True
+    x, y = _scalar(a), _scalar(b)
+    if isinstance(x, str) or isinstance(y, str) or isinstance(x, bool) != isinstance(y, bool):
+        return False
+    return x == y
+
+
 def parse_variant(label: str) -> tuple[str, dict[str, str]]:
     """A method variant's label: a kind (``scd``) or a kind with settings (``scd:block_tokens=0.5``,
     several joined by ``;``, so that labels can be listed with commas) -> (kind, settings)."""
@@ -102,7 +113,7 @@ def resolve_variant(label: str, params: dict[str, str], strict: bool = True) -> 
         raise InvalidRequest(str(e), param="method") from None
     out = dict(params)
     for key, value in given.items():
-        if strict and out.get(key, value) != value:
+        if strict and not same_setting(out.get(key, value), value):
             raise InvalidRequest(f"method {clip(label)} sets {key}={value} and method_params sets {key}="
                                  f"{clip(out[key])}; give each setting once", param="method_params")
         out.setdefault(key, value)

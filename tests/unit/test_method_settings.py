@@ -60,3 +60,14 @@ def test_a_sparse_block_on_a_pair_without_a_block_is_refused(contexts):
                                              r"block; leave block_tokens out") as ei:
         make_method("scd", ctx, {"block_tokens": "0.35"})
     assert ei.value.param == "block_tokens"
+
+
+def test_a_setting_given_in_the_label_and_beside_it_conflicts_only_when_the_values_differ():
+    from shared.codecs import resolve_variant
+
+    for a, b in (("0.35", "0.350"), ("1", "1.0"), ("true", "True"), ("float16", "float16")):
+        assert resolve_variant(f"scd:block_tokens={a}", {"block_tokens": b}) == ("scd", {"block_tokens": b})
+    for a, b in (("0.35", "0.5"), ("1", "true"), ("float16", "float32"), ("[1, 2]", "[1,3]")):
+        with pytest.raises(InvalidRequest, match="give each setting once") as e:
+            resolve_variant(f"scd:block_tokens={a}", {"block_tokens": b})
+        assert e.value.param == "method_params"

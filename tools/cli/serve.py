@@ -238,7 +238,7 @@ def generate(
         names = consumer_list(consumer)  # the rule of HTTP's model
     except ValueError:
         raise typer.BadParameter(f"expected consumer names separated by commas, each once; got {consumer!r}") from None
-    from shared.codecs import parse_variant
+    from shared.codecs import parse_variant, same_setting
 
     try:
         method, params = parse_variant(method)
@@ -252,7 +252,7 @@ def generate(
             raise typer.BadParameter(f"--param takes KEY=VALUE (block_tokens=0.35), got {p!r}")
         if key in given:
             raise typer.BadParameter(f"--param {key} is given twice; give each setting once")
-        if params.get(key, value) != value:
+        if not same_setting(params.get(key, value), value):
             raise typer.BadParameter(f"--param {p!r} contradicts --method {method}:{key}={params[key]}")
         given.add(key)
         params[key] = value
