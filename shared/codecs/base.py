@@ -50,6 +50,10 @@ def parse_int_list(value):
         except ValueError:
             raise ValueError(f"write layer numbers separated by commas (e.g. 0,3), a JSON list ([0, 3]), auto or "
                              f"none; got {clip(text)}") from None
+    if isinstance(value, list):
+        twice = sorted({x for x in value if value.count(x) > 1 and isinstance(x, int)})
+        if twice:
+            raise ValueError(f"layer(s) {', '.join(map(str, twice))} given twice; name each layer once")
         return value
     return "none" if value == "" else value
 

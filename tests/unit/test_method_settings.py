@@ -71,3 +71,12 @@ def test_a_setting_given_in_the_label_and_beside_it_conflicts_only_when_the_valu
         with pytest.raises(InvalidRequest, match="give each setting once") as e:
             resolve_variant(f"scd:block_tokens={a}", {"block_tokens": b})
         assert e.value.param == "method_params"
+
+
+@pytest.mark.parametrize("given", ["0,0", "[3, 4, 3]", "2, 2"])
+def test_a_layer_named_twice_is_refused_naming_it(given):
+    from shared.codecs import check_settings
+
+    with pytest.raises(InvalidRequest, match=r"patch_layers: layer\(s\) \d given twice; name each layer once") as e:
+        check_settings("scd", {"patch_layers": given})
+    assert e.value.param == "patch_layers"
