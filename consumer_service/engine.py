@@ -38,6 +38,7 @@ from shared.errors import (
     PreconditionFailed,
     UnknownMethod,
     clip,
+    usable_request_id,
 )
 from shared.generation import Generator, Sampling, fresh_seed
 from shared.handshake import incompatibility, pin_mismatch
@@ -115,8 +116,9 @@ class ConsumerEngine(Engine):
 
     def open(self, h: StreamHeader) -> Request:
         s = self.settings
-        if len(h.request_id) > MAX_ID_CHARS:
-            raise InvalidRequest(f"request_id has {len(h.request_id)} characters; at most {MAX_ID_CHARS}")
+        if h.request_id and not usable_request_id(h.request_id):  # empty: the consumer makes one
+            raise InvalidRequest(f"request_id must be 1-{MAX_ID_CHARS} printable ASCII characters (or empty); got "
+                                 f"{clip(h.request_id)}", param="request_id")
         if h.consumer and h.consumer != s.name:
             raise PreconditionFailed(f"stream addressed to consumer {clip(h.consumer)}; this is {s.name!r}: the "
                                      "producer's address for it (its consumers setting) points at another consumer")

@@ -20,7 +20,16 @@ from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, req
 from shared.config import field_errors, first_field
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
 from shared.engine import Engine
-from shared.errors import MAX_ID_CHARS, ConfigError, InvalidRequest, NotFound, PreconditionFailed, UnknownMethod, clip
+from shared.errors import (
+    MAX_ID_CHARS,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    PreconditionFailed,
+    UnknownMethod,
+    clip,
+    usable_request_id,
+)
 from shared.generation import Sampling
 from shared.model.hf_adapter import PrefillState
 from shared.model.prompt import PromptFormat
@@ -30,8 +39,9 @@ log = logging.getLogger("scd.producer")
 
 
 def check_ids(request_id: str) -> None:
-    if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequest(f"request_id must be at most {MAX_ID_CHARS} printable characters; got {clip(request_id)}")
+    if request_id and not usable_request_id(request_id):  # empty: the service makes one
+        raise InvalidRequest(f"request_id must be 1-{MAX_ID_CHARS} printable ASCII characters (or empty: the service "
+                             f"makes one); got {clip(request_id)}", param="request_id")
 
 
 def check_sampling(sp) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.auto import LINK_MBPS
 from shared.config import (
     BenchSettings,
     Bytes,
@@ -21,7 +22,6 @@ from shared.config import (
     check_grpc_target,
     check_method_names,
 )
-from shared.auto import LINK_MBPS
 from shared.errors import SCDError
 from shared.rpc.security import SecuritySettings
 

@@ -113,7 +113,8 @@ def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, setti
     tied = [p for p in tied if p["kl"] <= low * (1 + settings.kl_tolerance)]
     best = min(tied, key=lambda p: (p["bytes_per_token"], ms_of(p)))
     ms = ms_of(best)
-    reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {link_mbps:{'.0f' if link_mbps >= 1 else '.3g'}} Mbit/s "
+    rate = f"{link_mbps:{'.0f' if link_mbps >= 1 else '.3g'}}"
+    reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {rate} Mbit/s "
               f"({link_source}); validation KL {best['kl']:.4f}, bound {bound:.4f} ({rule})")
     if best is not fastest:
         reason += (f"; a tie with the fastest ({fastest['label']} {ms_of(fastest):.0f} ms, KL {fastest['kl']:.4f}: "

@@ -6,6 +6,13 @@ MAX_ID_CHARS = 128
 """Request ids and names a peer sends are at most this long (they are echoed in every token event)."""
 
 
+def usable_request_id(rid: str) -> bool:
+    """Whether a client's request id (HTTP's ``X-Request-Id``, gRPC's ``request_id``) can be the
+    request's id: 1-128 printable ASCII characters (it is sent back, shown in both services'
+    request logs, in the response's ``id`` and in an HTTP header, which carries ASCII only)."""
+    return 0 < len(rid) <= MAX_ID_CHARS and rid.isascii() and rid.isprintable()
+
+
 def clip(text: str, n: int = 64) -> str:
     """A string from a request, quoted in an error message: bounded, so that an error never grows
     with its input."""

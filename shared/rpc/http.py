@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from shared.errors import MAX_ID_CHARS, clip
+from shared.errors import clip, usable_request_id
 from shared.metrics import CONTENT_TYPE, Metrics, log_request
 from shared.rpc.security import SecuritySettings, token_ok, token_problem
 from shared.rpc.server import GRACE_MARGIN_S, address, listen_error
@@ -55,12 +55,6 @@ def error_response(code: grpc.StatusCode, message: str, param: str | None = None
     elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(error_body(code, message, param), status_code=HTTP_STATUS.get(code, 500), headers=headers)
-
-
-def usable_request_id(header: str) -> bool:
-    """Whether a client's ``X-Request-Id`` can be the request's id: 1-128 printable ASCII characters
-    (it is sent back, shown in both services' request logs and in the response's ``id``)."""
-    return 0 < len(header) <= MAX_ID_CHARS and header.isascii() and header.isprintable()
 
 
 def add_auth(app: FastAPI, token: str | None, metrics: Metrics | None = None) -> None:

@@ -341,7 +341,8 @@ def test_no_setting_takes_nan_or_infinity(tmp_path):
     with pytest.raises(ConfigError, match="consumers.a.link_mbps: Input should be a finite number"):
         ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=inf"], model={"path": "m"})
     with pytest.raises(ConfigError, match="consumers.a.link_mbps: Input should be greater than or equal to 0.001"):
-        ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=1e-300"], model={"path": "m"})
+        ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=1e-300"],
+                              model={"path": "m"})
     for kind, params in (("scd", {"block_tokens": "nan"}), ("auto", {"time_tolerance": "inf"})):
         with pytest.raises(InvalidRequest, match=f"{next(iter(params))}: Input should be a finite number"):
             check_settings(kind, params)

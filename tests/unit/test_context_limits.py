@@ -73,3 +73,28 @@ def test_the_default_answer_length_follows_a_lower_limit():
     assert ConsumerSettings.load(**base).default_max_new_tokens == 64
     with pytest.raises(ConfigError, match=r"default_max_new_tokens \(20\) must be at most max_new_tokens \(9\)"):
         ConsumerSettings.load(overrides=["max_new_tokens=9", "default_max_new_tokens=20"], **base)
+
+
+def test_both_services_take_one_rule_for_a_clients_request_id(model):
+    """The producer's gRPC request and the consumer's stream header take what HTTP's X-Request-Id takes:
+    1-128 printable ASCII characters (an id goes back in an HTTP header, which is ASCII), or none."""
+    import dataclasses
+
+    bad = ["é", "a\tb", "x" * 129, "\x00"]
+    ps = ProducerSettings.load(model={"path": "unused"}, consumers={"c": {"address": "127.0.0.1:1"}},
+                               default_method="raw")
+    cs = ConsumerSettings.load(model={"path": "unused"}, name="c", methods=["raw"])
+    prod, cons = ProducerEngine(ps, model), ConsumerEngine(cs, model)
+    try:
+        for rid in bad:
+            with pytest.raises(InvalidRequest, match="request_id must be 1-128 printable ASCII characters") as e:
+                prod.prepare(GenerateRequest(prompt=(3, 4, 5), consumer="c", method="raw", request_id=rid))
+            assert e.value.param == "request_id"
+            with pytest.raises(InvalidRequest, match="request_id must be 1-128 printable ASCII characters"):
+                cons.open(dataclasses.replace(header(4, 1), request_id=rid))
+        for rid in ("", "req-1 (retry 2)", "x" * 128):
+            assert prod.prepare(GenerateRequest(prompt=(3, 4, 5), consumer="c", method="raw", request_id=rid))
+            cons.open(dataclasses.replace(header(4, 1), request_id=rid))
+    finally:
+        prod.close()
+        cons.close()
