@@ -48,7 +48,10 @@ def grpc_errors(fn):
 
     async def _abort(context, exc):
         code, msg = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
+        if isinstance(exc, E.PeerError):  # the peer's own failure, logged (with its traceback) where it happened
+            if code == grpc.StatusCode.INTERNAL:
+                log.warning("%s: relayed the peer's %s: %s", fn.__name__, exc.code, msg)
+        elif code == grpc.StatusCode.INTERNAL:
             log.exception("unhandled error in %s", fn.__name__, exc_info=exc)
         await context.abort(code, msg)
 
