@@ -47,6 +47,14 @@ FRAMES_CALL_OFF_S = 5.0
 """How long a request's end waits for its stream's frames to stop (their prefill called off, if pending)."""
 
 
+@dataclasses.dataclass
+class _Seen:
+    """What a request's log line reports also when it fails or is called off."""
+
+    totals: StreamTotals = dataclasses.field(default_factory=StreamTotals)  # what went to the consumer
+    prompt_tokens: int | None = None  # known once the request is prepared
+
+
 class ProducerServicer(pbg.ProducerServicer):
     def __init__(self, engine: ProducerEngine, metrics: Metrics | None = None):
         self.engine = engine
@@ -236,9 +244,9 @@ class ProducerServicer(pbg.ProducerServicer):
         if method not in self.engine.settings.methods:  # a bounded set of metric labels
             method = "unknown"
         t0, first, last, sent = time.perf_counter(), None, None, 0
-        totals = StreamTotals()  # what went to the consumer, also when the request fails or is called off
+        seen = _Seen()
         try:
-            async for ev in self._generate(request, time_remaining, hold, totals):
+            async for ev in self._generate(request, time_remaining, hold, seen):
                 first = first or time.perf_counter()
                 sent += 1
                 if ev.timings is not None:
@@ -254,16 +262,17 @@ class ProducerServicer(pbg.ProducerServicer):
             m.requests.labels(method, outcome, fallback).inc()
             if self.engine.settings.access_log:
                 log_request(request.request_id, consumer=request.consumer, method=last.method if last else method,
-                            outcome=outcome, prompt_tokens=last.prompt_tokens if last else "-",
+                            outcome=outcome, prompt_tokens=last.prompt_tokens if last else seen.prompt_tokens or "-",
                             completion_tokens=last.completion_tokens if last else sent if first else "-",
-                            ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=totals.wire_bytes,
+                            ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=seen.totals.wire_bytes,
                             total_ms=(time.perf_counter() - t0) * 1e3)
 
     async def _generate(self, request: GenerateRequest, time_remaining: float | None, hold: bool,
-                        totals: StreamTotals):
-        eng, m = self.engine, self.metrics
+                        seen: "_Seen"):
+        eng, m, totals = self.engine, self.metrics, seen.totals
         t0, t0_unix = time.perf_counter(), time.time()
         p = eng.prepare(request)
+        seen.prompt_tokens = len(p.prompt_ids)
         remaining = min(time_remaining or eng.settings.default_deadline_s, eng.settings.max_deadline_s)
         late = p.method.decides_after_prefill  # its settings for this prompt are known after the prefill only
 

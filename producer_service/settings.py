@@ -34,7 +34,7 @@ class ConsumerEndpoint(Checked):
     tokenizer: str | None = None
     """A folder whose tokenizer and chat template format text prompts for this consumer (its pair's:
     the model that answers); default: the producer's own. Must share the producer's vocabulary."""
-    link_mbps: float | None = Field(None, **LINK_MBPS)
+    link_mbps: float | None = Field(None, ge=LINK_MBPS[0], le=LINK_MBPS[1])
     """The link rate to this consumer that ``auto`` plans for, Mbit/s; default: measured from recent
     transfers (1,000 until one has been seen)."""
 

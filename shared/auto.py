@@ -42,14 +42,14 @@ MIN_SAMPLE_BYTES = 256 << 10
 """Transfers smaller than this are latency-bound: they say little about the link's rate."""
 
 
-LINK_MBPS = {"ge": 0.001, "le": 1e7}
+LINK_MBPS = (0.001, 1e7)
 """The link rates ``auto`` plans for, Mbit/s: 1 kbit/s to 10 Tbit/s (1e-300 planned a transfer of 10^300 ms)."""
 
 
 class AutoSettings(Checked):
     """What a request may set for ``auto`` (its method parameters)."""
 
-    link_mbps: float | None = Field(None, **LINK_MBPS)
+    link_mbps: float | None = Field(None, ge=LINK_MBPS[0], le=LINK_MBPS[1])
     """The link rate to plan for, Mbit/s (default: the consumer's setting, else measured)."""
     max_kl_vs_raw: float | None = Field(None, gt=0)
     """Quality bound: validation KL at most this multiple of raw transfer's (default: 1, and 0.5

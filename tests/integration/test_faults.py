@@ -103,6 +103,9 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch,
     # ... and the bytes the producer had sent the consumer by then (it said wire_bytes=-)
     assert any(re.search(r" wire_bytes=[1-9]\d* ", m) for r in caplog.records if r.name == "scd.access"
                for m in [r.getMessage()] if "outcome=cancelled" in m and "consumer=same" in m), caplog.text
+    # ... and the prompt's length, known once the request was prepared (it said prompt_tokens=-)
+    assert any(f" prompt_tokens={len(PROMPT)} " in m for r in caplog.records if r.name == "scd.access"
+               for m in [r.getMessage()] if "outcome=cancelled" in m and "consumer=same" in m), caplog.text
 
     # the same through the HTTP front: the client reads one event and hangs up
     body = {"model": "same", "prompt": PROMPT, "max_tokens": 3999, "stream": True, "method": "raw"}
