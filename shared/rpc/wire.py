@@ -241,6 +241,10 @@ class FrameDecoder:
         if kind == "trailer":
             self._trailer(frame.trailer)
             return TrailerReceived()
+        c, lim = frame.chunk, self.limits
+        if c.raw_size > lim.max_chunk_bytes:  # one chunk's own bound before the stream's (which it would also pass)
+            raise InvalidPayload(f"tensor {_clip(c.name)} chunk declares {c.raw_size:,} bytes; a chunk carries at most "
+                                 f"{lim.max_chunk_bytes:,} (max_chunk_bytes)")
         self._totals.add(frame)
         if self._totals.raw_bytes > self.limits.max_stream_bytes:  # bounded before anything is allocated
             raise InvalidPayload(f"stream carries more than {self.limits.max_stream_bytes:,} payload bytes "
@@ -276,8 +280,6 @@ class FrameDecoder:
         nbytes = math.prod(c.shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes > lim.max_tensor_bytes:
             raise InvalidPayload(f"tensor {c.name!r} declares {nbytes} bytes; the limit is {lim.max_tensor_bytes}")
-        if c.raw_size > lim.max_chunk_bytes:
-            raise InvalidPayload(f"chunk of {c.raw_size} bytes exceeds the {lim.max_chunk_bytes}-byte chunk limit")
         part = self._tensors.get(c.name)
         if part is None:
             if len(self._tensors) >= lim.max_tensors_per_layer:

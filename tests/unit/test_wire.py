@@ -285,3 +285,21 @@ def test_an_unknown_compression_is_refused_by_name():
 def test_an_uncompressed_chunk_of_the_wrong_length_is_data_loss():
     with pytest.raises(DataLoss, match="decompressed to 63"):
         _fed(_chunk_frame(bytes(63), 64, bytes(64), pb.COMPRESSION_NONE))
+
+
+def test_a_chunk_declaring_more_than_a_chunk_holds_is_refused_as_such():
+    """Its raw_size would also pass the stream's bound: the chunk's own limit is what it broke."""
+    import lz4.frame
+
+    from shared.rpc.wire import chunk_crc
+
+    raw = bytes(64)
+    for declared in (2**40, (16 << 20) + 1):
+        c = pb.TensorChunk(name="k", layer=0, dtype="U8", shape=[64], offset=0, raw_size=declared,
+                           data=lz4.frame.compress(raw))
+        c.crc32c = chunk_crc(c, raw)
+        dec = FrameDecoder(limits=Limits(max_chunk_bytes=16 << 20))
+        dec.feed(pb.KVFrame(header=pb.Header(request_id="r", n_layers=1)))
+        with pytest.raises(InvalidPayload, match=rf"chunk declares {declared:,} bytes; a chunk carries at most "
+                                                  rf"16,777,216 \(max_chunk_bytes\)"):
+            dec.feed(pb.KVFrame(chunk=c))
