@@ -133,7 +133,9 @@ def _given(err: Any) -> str:
         return ""
     if isinstance(value, (bool, int, float)):
         return f" (got {value!r})"
-    return f" (got {clip(value, 40)})" if isinstance(value, str) and value else ""
+    if isinstance(value, str):
+        return f" (got {clip(value, 40)})" if value else " (got an empty value)"
+    return ""
 
 
 def _plain_message(msg: str) -> str:

@@ -314,6 +314,7 @@ def test_a_yaml_boolean_is_no_number(tmp_path):
     ("quant", {"residual": "yes", "group_size": True}, "group_size: Input should be a valid integer"),
     ("auto", {"time_tolerance": True}, "time_tolerance: Input should be a valid number"),
     ("raw", {"": "x"}, "'': not a known setting"),  # an empty key is shown as one (was ": not a known setting")
+    ("scd", {"block_tokens": ""}, r"block_tokens: Input should be a valid number, .* \(got an empty value\)"),
 ])
 def test_a_method_setting_that_takes_a_number_takes_no_boolean(kind, params, match):
     from shared.codecs import check_settings
