@@ -46,7 +46,7 @@ def test_a_setting_given_twice_in_one_label_is_refused():
                                                  "block_tokens: Input should be less than or equal to 1"),
     (["--methods", "raw:bits=8"], "raw:bits=8: invalid settings for method 'raw': bits: not a known setting"),
     (["--fleet", "--methods", "raw,auto:link_mbps=0"], "auto:link_mbps=0: invalid settings for method 'auto': "
-                                                       "link_mbps: Input should be greater than 0"),
+                                                       "link_mbps: Input should be greater than or equal to 0.001"),
     (["--fleet", "--methods", "scd:nope=1"], "scd:nope=1: invalid settings for method 'scd': nope: not a known"),
 ])
 def test_bench_options_are_refused_before_anything_starts(args, match):
