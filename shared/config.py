@@ -480,8 +480,12 @@ def _pop(d: dict, path: list[str]) -> None:
 
 
 def _set(d: dict, path: list[str], value: Any) -> None:
-    for p in path[:-1]:
+    """``--set a.b.c=value``; ConfigError when a part of the path holds a value, not a section."""
+    for i, p in enumerate(path[:-1]):
         d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is a setting of its own, not a "
+                              f"section with settings under it; set {'.'.join(path[:i + 1])}=VALUE")
     d[path[-1]] = value
 
 

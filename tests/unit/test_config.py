@@ -498,3 +498,9 @@ def test_ridge_calibration_scores_the_validation_prompts_asked_for(monkeypatch, 
     r = CliRunner().invoke(app, ["calibrate", "--pair", "strong", "--method", "ridge", *given])
     assert "stop here" in r.output, r.output
     assert seen["n_val"] == scored and seen["loaded"] >= scored, seen
+
+
+@pytest.mark.parametrize("override", ["server.port.x=3", "server.port.x.y=3", "http.port.z=1"])
+def test_a_set_under_a_plain_value_is_a_config_error(override):
+    with pytest.raises(ConfigError, match=r"is a setting of its own, not a section"):  # was a TypeError traceback
+        ConsumerSettings.load(overrides=["http.port=9090", override], model={"path": "m"})
