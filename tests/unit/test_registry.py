@@ -339,6 +339,9 @@ def test_calibrate_refuses_a_count_that_is_not_a_whole_number(home, value):
     (["--pair", ",strong"], "each once"),
     (["--pair", "a, a"], "each once"),
     (["--pair", " "], "each once"),
+    (["--timeout", "1e10"], "less than or equal to 1e+06"),  # overflowed the deadline: DEADLINE_EXCEEDED at once
+    (["--token", "a b"], "printable ASCII without spaces"),  # was gRPC's INTERNAL: Invalid metadata
+    (["--token", "jeton-é"], "printable ASCII without spaces"),
 ])
 def test_generate_refuses_bad_options_before_it_connects(args, match):
     res = CliRunner().invoke(app, ["generate", "--producer", "127.0.0.1:1", "hi", *args])
@@ -446,3 +449,9 @@ def test_calibration_settings_are_refused_one_line_each_before_any_model_loads(h
     res = CliRunner().invoke(app, ["calibrate", "--pair", "nope", "--set", setting])
     assert res.exit_code == 2 and "invalid calibration settings:" in res.output and said_ in res.output, res.output
     assert "errors.pydantic.dev" not in res.output
+
+
+def test_generate_reads_a_token_as_the_services_read_their_token_file():
+    from tools.cli.common import bearer_token
+
+    assert bearer_token("s3cret\n") == "s3cret" and bearer_token(None) is None  # a secret file's newline

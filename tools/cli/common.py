@@ -54,6 +54,18 @@ def finite_in(lo: float, hi: float | None = None):
     return check
 
 
+def bearer_token(value: str | None) -> str | None:
+    """``--token``'s callback: the token as a service reads its ``token_file`` (whitespace around it
+    dropped: a secret file's newline), then printable ASCII without spaces, as gRPC metadata carries."""
+    if value is None:
+        return None
+    tok = value.strip()
+    if not tok or not (tok.isascii() and tok.isprintable()) or any(c.isspace() for c in tok):
+        raise typer.BadParameter("the bearer token must be non-empty printable ASCII without spaces (gRPC metadata "
+                                 "carries no other): give the services' security.token")
+    return tok
+
+
 def name_list(value: str, option: str = "--methods") -> tuple[str, ...]:
     """A comma-separated option's names (spaces around them dropped); an empty list is refused."""
     names = tuple(dict.fromkeys(x.strip() for x in value.split(",") if x.strip()))

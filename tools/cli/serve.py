@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import Verbose, check_store, fail, finite_in, served_methods, setup_logging
+from tools.cli.common import Verbose, bearer_token, check_store, fail, finite_in, served_methods, setup_logging
 
 serve_app = typer.Typer(no_args_is_help=True, help="Run a producer or consumer gRPC service.")
 app.add_typer(serve_app, name="serve")
@@ -217,8 +217,9 @@ def generate(
     seed: Optional[int] = typer.Option(None, min=0, max=2**64 - 1, help="Sampling seed (default: a fresh one per "
                                        "request)."),
     native_prefix: bool = typer.Option(True, help="Consumer uses its own K/V for the template prefix."),
-    timeout: float = typer.Option(120.0, callback=finite_in(0.001), help="Deadline in seconds."),
-    token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", help="Bearer token (or env SCD_TOKEN)."),
+    timeout: float = typer.Option(120.0, callback=finite_in(0.001, 1e6), help="Deadline in seconds."),
+    token: Optional[str] = typer.Option(None, envvar="SCD_TOKEN", callback=bearer_token,
+                                        help="Bearer token (or env SCD_TOKEN)."),
     tls_ca: Optional[Path] = typer.Option(None, help="PEM CA to verify a TLS producer."),
 ) -> None:
     """Send a prompt to the producer and print the consumer's tokens as they stream (with several
