@@ -359,4 +359,9 @@ def load_tokenizer(path: str | Path, required: bool = True):
             raise ModelFolderError(f"folder {path} has no tokenizer (tokenizer.json or tokenizer_config.json)")
         log.info("no tokenizer in %s: serving token ids only", path)
         return None
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - a damaged file surfaces as whatever its parser raises
+        raise ModelFolderError(f"the tokenizer in {path} cannot be loaded ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}); restore its tokenizer "
+                               "files (tokenizer.json, tokenizer_config.json) from the model's release") from None

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Sequence, Union
 
-from shared.errors import InvalidRequest
+from shared.errors import ConfigError, InvalidRequest
 
 Messages = list[dict]
 Prompt = Union[str, Messages]
@@ -39,9 +39,14 @@ class PromptFormat:
         n = len(with_special) - len(plain)  # the tokenizer's own leading special tokens (BOS), if any
         self.bos_ids: list[int] = list(with_special[:n]) if n > 0 and with_special[n:] == plain else []
         if self.chat:
-            text = _render(tok, [{"role": "user", "content": _MARK}], True)
+            try:
+                text = _render(tok, [{"role": "user", "content": _MARK}], True)
+            except Exception as e:  # noqa: BLE001 - jinja's syntax and runtime errors, a template's own raise
+                raise ConfigError(f"the tokenizer's chat template cannot render a user message ({type(e).__name__}: "
+                                  f"{str(e)[:200]}); fix or remove the template (chat_template.jinja or "
+                                  "tokenizer_config.json's chat_template)") from None
             if text.count(_MARK) != 1:
-                raise ValueError("the tokenizer's chat template does not place the user message verbatim")
+                raise ConfigError("the tokenizer's chat template does not place the user message verbatim")
             self.head, self.tail = text.split(_MARK)
             self.end_of_turn = self._end_of_turn()
             self.prefix_ids = self._ids(self.head)

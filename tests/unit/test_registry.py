@@ -455,3 +455,39 @@ def test_generate_reads_a_token_as_the_services_read_their_token_file():
     from tools.cli.common import bearer_token
 
     assert bearer_token("s3cret\n") == "s3cret" and bearer_token(None) is None  # a secret file's newline
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("tokenizer.json truncated", r"the tokenizer in .* cannot be loaded \(JSONDecodeError"),
+    ("chat template broken", r"chat template cannot render a user message \(TemplateSyntaxError"),
+])
+def test_a_damaged_tokenizer_or_chat_template_is_refused_at_registration(home, folders, tmp_path, damage, match):
+    """Both were tracebacks, and a broken template registered fine and then failed every command."""
+    import shutil
+
+    dst = tmp_path / damage.replace(" ", "-")
+    shutil.copytree(folders["consumer"], dst)
+    if damage.startswith("tokenizer.json"):
+        (dst / "tokenizer.json").write_text((dst / "tokenizer.json").read_text()[:300])
+    else:
+        (dst / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
+    with pytest.raises(SCDError, match=match):
+        registry.add("bad", folders["producer"], dst)
+    res = CliRunner().invoke(app, ["pair", "add", "bad", "--producer", folders["producer"], "--consumer", str(dst)])
+    assert res.exit_code == 2 and "error: " in res.output and "Traceback" not in res.output, res.output
+    assert registry.names() == []
+
+
+def test_a_pair_whose_folder_went_says_how_to_register_it_again(home, folders, tmp_path):
+    import shutil
+
+    from tools.cli.common import pair_trouble
+
+    dst = tmp_path / "ft-moved"
+    shutil.copytree(folders["consumer"], dst)
+    e = registry.add("moved", folders["producer"], dst)
+    shutil.rmtree(dst)
+    said_ = pair_trouble(e, "model folder does not exist")
+    assert f"{dst} moved or went since `scd pair add`" in said_ and "scd pair add moved --producer DIR" in said_
+    assert "--replace" in said_ and "moved or went" not in pair_trouble(registry.add("ok", folders["producer"],
+                                                                                         folders["consumer"]), "x")

@@ -317,8 +317,12 @@ def check_pair(producer: str | Path, consumer: str | Path | None = None,
         raise RegistryError(f"producer folder {producer} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     side = consumer if consumer is not None else adapter
     tok_dir = side if has_tokenizer(side) else producer
+    from shared.model.prompt import PromptFormat
+
+    tok = load_tokenizer(tok_dir)  # a damaged tokenizer or chat template is refused now, not at every later command
+    PromptFormat(tok)
     if tok_dir != producer:
-        diff = _vocab_difference(load_tokenizer(producer), load_tokenizer(tok_dir))
+        diff = _vocab_difference(load_tokenizer(producer), tok)
         if diff:
             raise RegistryError(f"tokenizer vocabularies differ ({diff}): the consumer must read the producer's token "
                                 "ids")

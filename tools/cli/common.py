@@ -220,6 +220,17 @@ def check_store(path: Path) -> Path:
     return path
 
 
+def pair_trouble(e, err: object) -> str:
+    """A registered pair's folders failed to load: the error, with how to make them whole again."""
+    if e.builtin:
+        return f"pair {e.name!r}: {err}; it is a built-in pair: `scd assets --pair {e.name}` makes its folders again"
+    gone = [f for f in (e.producer, e.consumer, e.consumer_adapter, e.tokenizer) if f and not Path(f).exists()]
+    hint = (f"; {', '.join(dict.fromkeys(gone))} moved or went since `scd pair add`: register the pair again with "
+            f"`scd pair add {e.name} --producer DIR --consumer DIR (or --consumer-adapter DIR) --replace`"
+            if gone else "")
+    return f"pair {e.name!r}: {err}{hint}"
+
+
 def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairModels:
     """Load a registered pair (its weights checked against the registered fingerprints)."""
     from shared.errors import SCDError
@@ -235,8 +246,7 @@ def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairM
         consumer = load_model(folder, device, td, adapter)
         tok = load_tokenizer(e.tokenizer)
     except (SCDError, OSError) as err:
-        fail(f"pair {pair!r}: {err}" + ("; it is a built-in pair: `scd assets` makes its folders again" if e.builtin
-                                        else ""))
+        fail(pair_trouble(e, err))
     for side, model, want in (("producer", producer, e.producer_fingerprint), ("consumer", consumer,
                                                                                e.consumer_fingerprint)):
         if model.scd_fingerprint != want:
@@ -289,7 +299,10 @@ def check_data(data_file: Path | None, *needed: str, pair: str | None = None) ->
             from shared.model.loading import load_tokenizer
             from shared.model.prompt import PromptFormat
 
-            fmt = PromptFormat(load_tokenizer(e.tokenizer))
+            try:
+                fmt = PromptFormat(load_tokenizer(e.tokenizer))
+            except SCDError as err:  # a registered folder moved or damaged since
+                fail(pair_trouble(e, err))
     try:
         n = user.counts(data_file, fmt=fmt)
         for split in needed:
