@@ -491,3 +491,35 @@ def test_a_pair_whose_folder_went_says_how_to_register_it_again(home, folders, t
     assert f"{dst} moved or went since `scd pair add`" in said_ and "scd pair add moved --producer DIR" in said_
     assert "--replace" in said_ and "moved or went" not in pair_trouble(registry.add("ok", folders["producer"],
                                                                                          folders["consumer"]), "x")
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"r": 8}, r"has rank 4 but adapter_config.json says r=8"),
+    ({"r": 0}, r"r=0; LoRA's rank is a positive integer"),
+    ({"lora_alpha": "big"}, r"lora_alpha='big'; it must be a number"),
+])
+def test_an_adapter_whose_ranks_disagree_is_refused_at_registration(home, folders, tmp_path, edit, match):
+    """peft refused such an adapter only when the consumer loaded, with hundreds of lines of size mismatches."""
+    import shutil
+
+    dst = tmp_path / "adapter-edited"
+    shutil.copytree(folders["adapter"], dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(SCDError, match=match):
+        registry.add("bad", folders["producer"], adapter=dst)
+
+
+def test_an_adapter_whose_a_and_b_ranks_differ_is_refused(home, folders, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "adapter-mixed"
+    shutil.copytree(folders["adapter"], dst)
+    w = load_file(str(dst / "adapter_model.safetensors"))
+    k = next(k for k in w if "lora_B" in k)
+    w[k] = w[k][:, :2].contiguous()
+    save_file(w, str(dst / "adapter_model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SCDError, match=r"has lora_A of rank 4 and lora_B of rank 2; they must be one rank"):
+        registry.add("bad", folders["producer"], adapter=dst)

@@ -196,13 +196,14 @@ def _check_adapter_fits(adapter: Path, producer: Path) -> None:
     from shared.model.loading import model_shapes, tensor_shapes
 
     base = model_shapes(producer)
-    lora, targets = 0, []
+    lora, targets, ranks = 0, [], {}
     for k, shape in tensor_shapes([adapter / "adapter_model.safetensors"]).items():
         m = re.match(r"^(?:base_model\.model\.)?(.*)\.lora_([AB])(?:\.[^.]+)?\.weight$", k)
         if not m:
             continue
         lora += 1
         targets.append(m.group(1))
+        ranks.setdefault(m.group(1), {})[m.group(2)] = shape[0] if m.group(2) == "A" else shape[-1]
         target = m.group(1) + ".weight"
         if target not in base:
             raise RegistryError(f"adapter {adapter} targets {m.group(1)!r}, which the producer in {producer} does "
@@ -214,7 +215,30 @@ def _check_adapter_fits(adapter: Path, producer: Path) -> None:
     if not lora:
         raise RegistryError(f"adapter {adapter} holds no LoRA tensors (names ending in lora_A/lora_B.weight): "
                             "give a peft LoRA adapter saved with PeftModel.save_pretrained")
+    _check_adapter_ranks(adapter, ranks)
     _check_adapter_layers(adapter, base, targets)
+
+
+def _check_adapter_ranks(adapter: Path, ranks: dict[str, dict[str, int]]) -> None:
+    """Each module's lora_A and lora_B share one rank, the config's ``r`` (unless its ``rank_pattern``
+    gives modules their own), and ``r`` and ``lora_alpha`` are numbers: peft would otherwise refuse the
+    adapter at every load with a dump of every mismatched tensor."""
+    from shared.model.loading import read_json
+
+    cfg = read_json(adapter / "adapter_config.json", "adapter config")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if type(r) is not int or r < 1:
+        raise RegistryError(f"adapter {adapter}: adapter_config.json r={r!r}; LoRA's rank is a positive integer")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))):
+        raise RegistryError(f"adapter {adapter}: adapter_config.json lora_alpha={alpha!r}; it must be a number")
+    for module, ab in sorted(ranks.items()):
+        if set(ab) != {"A", "B"} or ab["A"] != ab["B"]:
+            raise RegistryError(f"adapter {adapter}: {module} has lora_A of rank {ab.get('A', 'none')} and lora_B of "
+                                f"rank {ab.get('B', 'none')}; they must be one rank: the adapter's files are damaged "
+                                "or mixed from two adapters")
+        if not cfg.get("rank_pattern") and ab["A"] != r:
+            raise RegistryError(f"adapter {adapter}: {module} has rank {ab['A']} but adapter_config.json says r={r}; "
+                                "the config and the weights are from different adapters")
 
 
 def _check_adapter_layers(adapter: Path, base: dict[str, list[int]], targets: list[str]) -> None:
