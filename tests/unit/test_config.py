@@ -342,8 +342,7 @@ def test_no_setting_takes_nan_or_infinity(tmp_path):
     with pytest.raises(ConfigError, match="consumers.a.link_mbps: Input should be a finite number"):
         ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=inf"], model={"path": "m"})
     with pytest.raises(ConfigError, match="consumers.a.link_mbps: Input should be greater than or equal to 0.001"):
-        ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=1e-300"],
-                              model={"path": "m"})
+        ProducerSettings.load(overrides=["consumers.a.address=h:1", "consumers.a.link_mbps=0"], model={"path": "m"})
     for kind, params in (("scd", {"block_tokens": "nan"}), ("auto", {"time_tolerance": "inf"})):
         with pytest.raises(InvalidRequest, match=f"{next(iter(params))}: Input should be a finite number"):
             check_settings(kind, params)
@@ -499,8 +498,3 @@ def test_ridge_calibration_scores_the_validation_prompts_asked_for(monkeypatch, 
     assert "stop here" in r.output, r.output
     assert seen["n_val"] == scored and seen["loaded"] >= scored, seen
 
-
-@pytest.mark.parametrize("override", ["server.port.x=3", "server.port.x.y=3", "http.port.z=1"])
-def test_a_set_under_a_plain_value_is_a_config_error(override):
-    with pytest.raises(ConfigError, match=r"is a setting of its own, not a section"):  # was a TypeError traceback
-        ConsumerSettings.load(overrides=["http.port=9090", override], model={"path": "m"})

@@ -32,3 +32,9 @@ def test_a_default_deadline_over_the_longest_allowed_is_refused_at_start():
     with pytest.raises(ConfigError, match=r"default_deadline_s \(900\) is over max_deadline_s \(600\)"):
         ProducerSettings.load(overrides=["model.path=/x", "default_deadline_s=900"])
     assert ProducerSettings.load(overrides=["model.path=/x", "default_deadline_s=600"]).default_deadline_s == 600
+
+
+@pytest.mark.parametrize("override", ["server.port.x=3", "server.port.x.y=3", "http.port.z=1"])
+def test_a_set_under_a_plain_value_is_a_config_error(override):
+    with pytest.raises(ConfigError, match=r"is a setting of its own, not a section"):  # was a TypeError traceback
+        ConsumerSettings.load(overrides=["http.port=9090", override], model={"path": "m"})

@@ -108,8 +108,10 @@ def _store_setting(store: str | Path | None, builtin: bool) -> str | None:
         return None  # resolved at use: the checkout's committed store
     else:
         path = default_store(builtin)
-    if path.exists() and not path.is_dir():
-        raise RegistryError(f"the artifact store {path} is a file; it names a folder (--store or SCD_STORE)")
+    above = next(p for p in (path, *path.parents) if p.exists())  # the store is made at its first save
+    if not above.is_dir():
+        raise RegistryError(f"the artifact store {path} {'is' if above == path else f'is under {above},'} a file; "
+                            "it names a folder (--store or SCD_STORE)")
     return str(path)
 
 
@@ -220,9 +222,8 @@ def _check_adapter_fits(adapter: Path, producer: Path) -> None:
 
 
 def _check_adapter_ranks(adapter: Path, ranks: dict[str, dict[str, int]]) -> None:
-    """Each module's lora_A and lora_B share one rank, the config's ``r`` (unless its ``rank_pattern``
-    gives modules their own), and ``r`` and ``lora_alpha`` are numbers: peft would otherwise refuse the
-    adapter at every load with a dump of every mismatched tensor."""
+    """Each module's lora_A and lora_B share the config's rank ``r`` (unless a ``rank_pattern`` gives its own), and
+    ``r``, ``lora_alpha`` are numbers: peft refuses anything else at every load, dumping each mismatched tensor."""
     from shared.model.loading import read_json
 
     cfg = read_json(adapter / "adapter_config.json", "adapter config")
