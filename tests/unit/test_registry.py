@@ -362,6 +362,9 @@ def test_generate_refuses_a_producer_address_grpc_would_misread(producer):
     # the TLS files before the model (/m does not exist: its error would come first otherwise)
     (["consumer", "--model", "/m", "--set", f"security.tls_cert={__file__}", "--set", f"security.tls_key={__file__}"],
      "security.tls_cert: " + __file__ + " holds no PEM certificate"),
+    # /m does not exist: the ports are checked first (it was found after the model loaded, with a traceback)
+    (["producer", "--model", "/m", "--port", "58377", "--set", "http.port=58377"],
+     "server.port and http.port are both 58377"),
 ])
 def test_serve_refuses_options_it_would_drop_or_misroute_before_loading(home, args, match):
     """An adapter given beside a pair was dropped silently, and a consumer name no request can

@@ -32,6 +32,11 @@ def _serve(load_engine, build_server, settings) -> None:
         settings.security.check()  # its files, and the addresses below, before minutes of model loading
         check_can_listen(settings.server.host, settings.server.port, "server")
         check_can_listen(settings.http.host, settings.http.port, "http")
+        hosts = {settings.server.host, settings.http.host}
+        if settings.http.port and settings.http.port == settings.server.port and (
+                len(hosts) == 1 or hosts & {"", "0.0.0.0", "::"}):  # each port is free alone, not both
+            raise SCDError(f"server.port and http.port are both {settings.server.port}: give the HTTP front another "
+                           "port (--set http.port=N; 0 picks a free one)")
         engine = load_engine(settings)
         built = build_server(engine)
         server, servicer = built if isinstance(built, tuple) else (built, None)
