@@ -302,7 +302,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
         return _load_model(path, device, dtype, adapter, fingerprint)
     except ModelFolderError as e:
         hint = _hint(path)
-        if not hint or hint in str(e):
+        if not hint or hint in str(e) or str(e).startswith("adapter "):  # the adapter, not the built-in model
             raise
         raise ModelFolderError(f"{e}{hint}") from None
 
@@ -336,8 +336,11 @@ def _load_model(path: Path, device: str, dtype: torch.dtype, adapter: str | Path
         except (SafetensorError, OSError) as e:
             raise ModelFolderError(f"adapter {adapter}: its weights do not load ({e}); copy or save them "
                                    "again") from None
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise ModelFolderError(f"adapter {adapter} does not fit the model in {path}: {e}") from None
+        except (ValueError, KeyError, RuntimeError) as e:  # peft lists every mismatched tensor: the first two
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            more = f" (and {len(lines) - 2} more lines)" if len(lines) > 2 else ""
+            raise ModelFolderError(f"adapter {adapter} does not fit the model in {path}: {' '.join(lines[:2])}{more}; "
+                                   "it was trained on another base model, or its files are damaged") from None
     model = model.to(dev).eval()  # type: ignore[arg-type]  # transformers' typed wrapper
     if fingerprint:
         model.scd_fingerprint = folder_fingerprint(path, adapter)

@@ -86,3 +86,13 @@ def test_a_store_under_a_file_is_refused_at_registration(home, folders, tmp_path
     with pytest.raises(SCDError, match=r"the artifact store .*afile/sub is under .*afile, a file"):
         registry.add("mine", folders["producer"], folders["consumer"], store=tmp_path / "afile" / "sub")
     assert registry.names() == []
+
+
+def test_an_adapter_for_another_base_is_refused_at_load_in_a_few_lines(folders):
+    """peft's error lists every mismatched tensor (180 lines for SmolLM2); the message gives the first."""
+    from shared.model.loading import load_model
+
+    with pytest.raises(SCDError, match=r"does not fit the model in .*: .*size mismatch.*\(and \d+ more lines\); it "
+                                       r"was trained on another base model") as e:
+        load_model(folders["producer"], adapter=folders["wide_adapter"])
+    assert str(e.value).count("size mismatch") == 1 and "scd assets" not in str(e.value)
