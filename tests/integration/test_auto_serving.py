@@ -90,12 +90,12 @@ def test_auto_plans_for_the_link_and_says_what_it_chose_and_why(svc, pair_store)
     within = [p for p in table["points"] if p["kl"] <= bound]
     n = len(PROMPT) - 1  # no native prefix: every position crosses
     metrics = svc._servicer.metrics
-    for rate in (0.1, 1e6):
+    for rate, said in ((0.1, "0.1"), (1e6, "1000000")):  # a rate under 1 Mbit/s as given (it said "0 Mbit/s")
         want = min(within, key=lambda p: expected_ms(p, n, rate))["label"]
         before = metrics.value("auto_choices_total", consumer="tiny", choice=want)
         got = _gen(svc, link_mbps=str(rate))
         assert got.timings.auto_reason.startswith(want + ":"), (rate, got.timings.auto_reason)
-        assert f"{rate:.0f} Mbit/s (setting)" in got.timings.auto_reason and "bound" in got.timings.auto_reason
+        assert f" {said} Mbit/s (setting)" in got.timings.auto_reason and "bound" in got.timings.auto_reason
         assert got.timings.method == want.split(":")[0] and len(got.token_ids) == 3
         assert metrics.value("auto_choices_total", consumer="tiny", choice=want) == before + 1
     slow = min(within, key=lambda p: expected_ms(p, n, 0.1))
