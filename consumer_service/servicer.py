@@ -21,6 +21,7 @@ from shared.rpc import convert
 from shared.rpc import scd_pb2 as pb
 from shared.rpc import scd_pb2_grpc as pbg
 from shared.rpc.errors import grpc_errors, status_for
+from shared.rpc.server import GRACE_MARGIN_S
 from shared.rpc.wire import PROTOCOL_VERSION, FrameDecoder, Limits
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,10 @@ class ConsumerServicer(pbg.ConsumerServicer):
             outcome = "unavailable"
             message = "the consumer is shutting down (its grace period is over); retry the request"
             yield pb.TokenEvent(error=pb.ErrorStatus(code="UNAVAILABLE", message=message))
+            # the sender ends its call on that event; ended here first, the stopping server would close the
+            # connection at once, and a sender still writing frames may then see only "Stream removed
+            # (sendmsg: Broken pipe)" (seen in CI). Its end (a cancel, raised here) is awaited, a moment at most
+            await asyncio.sleep(GRACE_MARGIN_S / 2)
             raise NotReady(message) from None
         except Exception as e:
             code, message = status_for(e)
