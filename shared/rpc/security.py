@@ -19,6 +19,11 @@ CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
+def sendable_token(tok: str) -> bool:
+    """Whether a bearer token can cross gRPC metadata and HTTP headers: printable ASCII without spaces."""
+    return tok.isascii() and tok.isprintable() and not any(c.isspace() for c in tok)
+
+
 class SecuritySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -56,8 +61,7 @@ class SecuritySettings(BaseModel):
             return None
         if not tok:
             raise ConfigError("the bearer token is empty; set a non-empty token or drop it")
-        if not (tok.isascii() and tok.isprintable()) or any(c.isspace() for c in tok):
-            # gRPC metadata and HTTP headers carry no other: no client could have sent it
+        if not sendable_token(tok):  # gRPC metadata and HTTP headers carry no other: no client could have sent it
             raise ConfigError("the bearer token must be printable ASCII without spaces (gRPC metadata and HTTP "
                               "headers carry no other); set another token, e.g. `openssl rand -hex 32`")
         return tok

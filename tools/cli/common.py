@@ -59,8 +59,10 @@ def bearer_token(value: str | None) -> str | None:
     dropped: a secret file's newline), then printable ASCII without spaces, as gRPC metadata carries."""
     if value is None:
         return None
+    from shared.rpc.security import sendable_token
+
     tok = value.strip()
-    if not tok or not (tok.isascii() and tok.isprintable()) or any(c.isspace() for c in tok):
+    if not tok or not sendable_token(tok):
         raise typer.BadParameter("the bearer token must be non-empty printable ASCII without spaces (gRPC metadata "
                                  "carries no other): give the services' security.token")
     return tok
