@@ -47,7 +47,9 @@ class ConsumerSettings(ServiceSettings):
     producer for methods that need no calibration (raw, oracle)."""
     methods: TextList = ("oracle", "raw", "quant", "scd-reuse", "scd")
     """Transfer methods this consumer accepts."""
-    max_prompt_tokens: int = Field(4096, ge=2)
+    max_prompt_tokens: int | None = Field(None, ge=2)
+    """Longest prompt a request may have, in tokens; default (unset): the model's context window
+    (``max_position_embeddings``), else 4,096 where the model does not say. Never past the window."""
     max_new_tokens: int = Field(512, ge=1)
     default_max_new_tokens: int = Field(64, ge=1)
     read_ahead_layers: int = Field(8, ge=1, le=1024)

@@ -76,7 +76,9 @@ class ProducerSettings(ServiceSettings):
     """Transfer methods this producer offers (a method whose pair lacks its artifacts or profile is
     refused per request with the command that makes them). ``auto`` picks one of the others listed
     here, per request, from the pair's operating table (the consumer must accept what it picks)."""
-    max_prompt_tokens: int = Field(4096, ge=2)
+    max_prompt_tokens: int | None = Field(None, ge=2)
+    """Longest prompt a request may have, in tokens; default (unset): the model's context window
+    (``max_position_embeddings``), else 4,096 where the model does not say. Never past the window."""
     max_prompt_chars: int = Field(64_000, ge=1)
     default_deadline_s: float = Field(120.0, gt=0)
     """Deadline of a request whose client set none."""

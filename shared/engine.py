@@ -52,14 +52,21 @@ class Engine(TorchWorker):
     def prompt_limit(self) -> tuple[int, str]:
         """The most prompt tokens a request may have, and what sets it: the setting, never past the
         model's context."""
-        if self.context and self.context < self.settings.max_prompt_tokens:
+        setting = self.settings.max_prompt_tokens
+        if setting is None:
+            return (self.context, "the model's context") if self.context else (UNKNOWN_CONTEXT_TOKENS,
+                                                                               "max_prompt_tokens' default")
+        if self.context and self.context < setting:
             return self.context, "the model's context"
-        return self.settings.max_prompt_tokens, "max_prompt_tokens"
+        return setting, "max_prompt_tokens"
 
     def load_context(self, folder: str | Path | None, side: str, producer_fp: str | None = None,
                      consumer_fp: str | None = None, require: tuple[str, ...] = ()) -> CodecContext:
         return load_context(self.adapter, folder, side, producer_fp, consumer_fp, require)
 
+
+UNKNOWN_CONTEXT_TOKENS = 4096
+"""The prompt limit where ``max_prompt_tokens`` is unset and the model's config gives no context window."""
 
 PROFILE_KINDS = (*(k for k, cls in CODECS.items() if "profile" in cls.requires), "auto")
 """Profiles a pair may have beside its SCD artifacts: the baselines' and ``auto``'s operating table."""

@@ -40,6 +40,10 @@ REFUSED_MODEL_TYPES = {
     "phi": "it rotates only part of each head (partial_rotary_factor)",
     "phi3": "it fuses K and V into one qkv_proj",
     "gpt2": "it has no separate k_proj/v_proj and no RoPE",
+    "smollm3": "some of its layers use no RoPE (no_rope_layers), which the pre-RoPE transfer of keys assumes every "
+               "layer applies",
+    "olmo2": "it has no norm before attention (post-norm: its norms follow attention and the MLP) and its k_norm "
+             "spans every head at once, where the adapter captures the input norm's output and each head's keys",
 }
 
 

@@ -88,8 +88,8 @@ def test_demo_options_are_refused_before_the_services_start(args, match):
 
 @pytest.mark.parametrize("args, bad", [
     (["--tokens", "5,1000"], "--tokens 5:"),  # shorter than the chat template: refused once the services ran
-    (["--tokens", "1000,5000"], "--tokens 5000:"),  # past the services' max_prompt_tokens: the same
-    (["--fleet", "--tokens", "5000"], "--tokens 5000:"),
+    (["--tokens", "1000,9000"], "--tokens 9000:"),  # past the model's context (the services' default limit)
+    (["--fleet", "--tokens", "9000"], "--tokens 9000:"),
 ])
 def test_a_prompt_length_the_services_would_refuse_is_refused_before_they_start(real_assets, args, bad):
     from typer.testing import CliRunner
@@ -98,7 +98,7 @@ def test_a_prompt_length_the_services_would_refuse_is_refused_before_they_start(
 
     res = CliRunner().invoke(app, ["bench", "--methods", "raw", *args])
     said = " ".join(res.output.replace("│", " ").split())
-    assert res.exit_code == 2 and bad in said and "give lengths from 31 to 4096" in said, res.output
+    assert res.exit_code == 2 and bad in said and "give lengths from 31 to 8192" in said, res.output
 
 
 def test_a_model_folder_or_kl_file_named_but_unusable_is_refused_before_the_services_start(real_assets, tmp_path):

@@ -19,3 +19,16 @@ def test_delta_ppl_is_unknown_without_the_oracle(capsys):
     print_table({"methods": {"raw": s}})
     row = capsys.readouterr().out.splitlines()[-1].split()
     assert row[0] == "raw" and row[5] == "-"  # method, KL, top1, taskF1 (-), agreeF1 (-), dPPL%
+
+
+def test_delta_ppl_is_unknown_with_nothing_to_score_it_on(capsys):
+    """No gold answer and no continuation (an operator's prompt alone): there is no perplexity to
+    compare, for the Oracle or the method, so the column says '-' (it said +0.0)."""
+    oracle, method = _acc(), _acc()
+    oracle.nll = method.nll = 0.0
+    oracle.nll_tokens = method.nll_tokens = 0
+    o = oracle.summary(None)
+    s = method.summary(o["ppl"])
+    assert o["ppl"] is None and s["ppl"] is None and s["delta_ppl_pct"] is None
+    print_table({"methods": {"raw": s}})
+    assert capsys.readouterr().out.splitlines()[-1].split()[5] == "-"

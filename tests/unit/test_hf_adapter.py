@@ -165,6 +165,7 @@ def test_qwen3_keys_include_the_key_norm():
 
 
 @pytest.mark.parametrize("model_type,why", [("gemma3_text", "RoPE"), ("gpt2", "k_proj"),
+                                            ("smollm3", "no_rope_layers"), ("olmo2", "post-norm"),
                                             ("bert", "supported families")])
 def test_unsupported_family_refused(model_type, why):
     from shared.model.hf_adapter import check_supported

@@ -104,8 +104,8 @@ class Prompts:
         from producer_service.settings import ProducerSettings
 
         t = len(self.prefix) + len(self.tail)
-        top = min(t + len(self.pool) - 1, *(s.model_fields["max_prompt_tokens"].default
-                                            for s in (ProducerSettings, ConsumerSettings)))
+        limits = [s.model_fields["max_prompt_tokens"].default for s in (ProducerSettings, ConsumerSettings)]
+        top = min([t + len(self.pool) - 1, *(x for x in limits if x is not None)])  # None: the model's context
         if model is not None:
             top = min(top, int(json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
                                or top))

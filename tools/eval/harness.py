@@ -65,7 +65,7 @@ class Acc:
     resettled: int = 0
 
     def summary(self, oracle_ppl: float | None) -> dict:
-        ppl = math.exp(self.nll / max(self.nll_tokens, 1))
+        ppl = math.exp(self.nll / self.nll_tokens) if self.nll_tokens else None  # nothing to score it on: unknown
         n_tok = max(1, sum(self.tokens))
         out = {
             "n": len(self.kl),
@@ -76,7 +76,7 @@ class Acc:
             "agree_f1": statistics.fmean(self.agree_f1) if self.agree_f1 else None,
             "task_f1": statistics.fmean(self.task_f1) if self.task_f1 else None,
             "ppl": ppl,
-            "delta_ppl_pct": 100 * (ppl / oracle_ppl - 1) if oracle_ppl else None,  # unknown without the oracle
+            "delta_ppl_pct": 100 * (ppl / oracle_ppl - 1) if oracle_ppl and ppl else None,  # unknown without either
             "bytes_per_token": statistics.fmean(self.bytes_per_token),
             "encode_ms": statistics.fmean(self.encode_ms),
             "reconstruct_ms": statistics.fmean(self.reconstruct_ms),
