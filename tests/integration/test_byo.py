@@ -262,3 +262,30 @@ def test_demo_and_soak_say_when_the_services_refuse_their_requests(tiny_folders,
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_held_out_file_is_scored_whole_with_its_rows(tiny_folders, tmp_path):
+    """``scd eval --data FILE`` scored only the ~20% of rows its hash puts in the test split; ``--split
+    all`` scores every row of a file calibration never read, and ``--rows-json`` gives each row's scores
+    beside its id and its other fields (metadata to group by), with KL per prompt length in the JSON."""
+    env = user_env(tmp_path)
+    scd("pair", "add", "t", "--producer", str(tiny_folders / "base"), "--consumer-adapter",
+        str(tiny_folders / "adapter"), env=env)
+    rows = [json.loads(x) for x in (tiny_folders / "prompts.jsonl").read_text().splitlines()][:9]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({**r, "id": f"r{i}", "src": ["news", "docs", "verse"][i % 3]}) + "\n"
+                            for i, r in enumerate(rows)))
+    out, per_row = tmp_path / "all.json", tmp_path / "rows.jsonl"
+    r = scd("eval", "--pair", "t", "--data", str(held), "--split", "all", "--methods", "oracle,raw", "--no-answers",
+            "--json", str(out), "--rows-json", str(per_row), env=env)
+    assert "fields ['src'] are not prompt" in r.stderr and "scoring 9 prompts of the all split" in r.stderr, r.stderr
+    body = json.loads(out.read_text())
+    assert body["n"] == 9 and body["split"] == "all" and body["methods"]["raw"]["n"] == 9
+    lines = [json.loads(x) for x in per_row.read_text().splitlines()]
+    assert [x["id"] for x in lines] == [f"r{i}" for i in range(9)]
+    assert [x["meta"]["src"] for x in lines] == ["news", "docs", "verse"] * 3
+    raw = [x["methods"]["raw"]["kl"] for x in lines]
+    assert sum(raw) / 9 == pytest.approx(body["methods"]["raw"]["kl"]) and all(k > 0 for k in raw)
+    assert list(body["methods"]["raw"]["kl_by_length"]) == ["<=512"]
+    test_only = scd("eval", "--pair", "t", "--data", str(held), "--methods", "oracle,raw", "--no-answers", env=env)
+    assert "of the test split" in test_only.stderr and "scoring 9 prompts" not in test_only.stderr

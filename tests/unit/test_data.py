@@ -77,7 +77,7 @@ def test_operator_prompts_file(tmp_path, tokenizer):
 @pytest.mark.parametrize("content,match", [
     (b'{"prompt": "fine"}\n\xff\xfe binary\n', r"p.jsonl:2: not UTF-8 text \(byte 0xff at offset 19\)"),
     (b"", "no prompts found"),
-    (b'{"prompt": "a", "extra": 1}\n', "p.jsonl:1: unknown fields"),
+    (b'{"promt": "a", "answer": "b"}\n', "p.jsonl:1: expected a JSON object.*it has 'promt': did you mean"),
     (b'{"prompt": "broken\n', "p.jsonl:1: looks like JSON but does not parse"),
     (b'{"prompt": "  "}\n', "p.jsonl:1: empty prompt"),
     (b'{"prompt": 5}\n', r'p.jsonl:1: "prompt" must be text or a list of chat messages .* not a number'),
@@ -253,3 +253,20 @@ def test_repeated_lines_are_called_repeats_when_a_split_is_empty_or_small(tmp_pa
     assert "39 of its lines repeat an earlier line" in said, said
     path.write_text("".join(f'{{"prompt": "Question {i}?"}}\n' for i in range(40)))
     assert "repeat an earlier line" not in str(user.empty_split(path, "test", user.counts(path)))
+
+
+def test_other_fields_of_a_row_are_its_metadata(tmp_path, tokenizer, caplog):
+    """Real JSONL files carry metadata columns (a source, a category): they were refused ("unknown
+    fields"); now each row keeps them as ``meta`` (for ``scd eval --rows-json``), its split is that of
+    its prompt alone, and one warning names them."""
+    from shared.model.prompt import PromptFormat
+    from tools.data import user
+
+    fmt = PromptFormat(tokenizer)
+    f = tmp_path / "m.jsonl"
+    f.write_text('{"prompt": "What is 2+2?", "src": "news", "n": 3, "tags": ["a"]}\n{"prompt": "Hi", "src": "docs"}\n')
+    with caplog.at_level("WARNING", logger="scd.data"):
+        a, b = user.load(f, fmt)
+    assert a.meta == {"src": "news", "n": 3, "tags": '["a"]'} and b.meta == {"src": "docs"}
+    assert [r.getMessage() for r in caplog.records if "metadata" in r.getMessage()][0].count("'src'") == 1
+    assert user.split_of({"prompt": "Hi"}) == user.split_of({"prompt": "Hi", "meta": {"src": "docs"}})

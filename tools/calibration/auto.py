@@ -84,7 +84,9 @@ def auto_runner(table: dict, pctx: CodecContext, cctx: CodecContext, params: dic
         if c.label not in cache:
             cache[c.label] = codec_method(c.method, pctx, cctx, c.params)
         run.choices[c.label] += 1
-        return cache[c.label](ctx, consumer)
+        out = cache[c.label](ctx, consumer)
+        out.served = c.label
+        return out
 
     run.choices = Counter()
     # the producer prefill must capture what any point may need

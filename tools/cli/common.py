@@ -259,9 +259,10 @@ def pair_models(pair: str, device: str = "cpu", dtype: str = "float32") -> PairM
     return PairModels(e, ModelAdapter(producer), ModelAdapter(consumer), tok, PromptFormat(tok))
 
 
-def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | None = None, kinds=("qa",)):
-    """Prompts of ``split`` for the pair: the operator's JSONL (its seeded split) when given, else the
-    built-in data of ``kinds``, encoded with the pair's own tokenizer and chat template."""
+def items(pm: PairModels, split: str | None, n: int | None = None, data_file: Path | None = None, kinds=("qa",)):
+    """Prompts of ``split`` for the pair (None: every split, in file order): the operator's JSONL (its
+    seeded split) when given, else the built-in data of ``kinds``, encoded with the pair's own
+    tokenizer and chat template."""
     from tools import data
     from tools.data import user
 
@@ -269,8 +270,9 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
         if data_file:
             return user.load(data_file, pm.fmt, split, n, max_tokens=getattr(pm.consumer.config,
                                                                               "max_position_embeddings", None))
+        splits = data.SPLITS if split is None else (split,)
         out = [it for kind in kinds for it in (data.heldout_items(pm.fmt) if kind == "heldout"  # one split only
-                                                else data.load(kind, split, fmt=pm.fmt))]
+                                                else [x for s in splits for x in data.load(kind, s, fmt=pm.fmt)])]
         return out[:n] if n is not None else out
     except (user.DataFileError, FileNotFoundError, ValueError, UnicodeDecodeError) as e:
         entry = pm.entry  # an own pair's command may take the operator's prompts instead of the built-in ones
@@ -279,11 +281,12 @@ def items(pm: PairModels, split: str, n: int | None = None, data_file: Path | No
                        "--data FILE (docs/byo.md)" if own else ""))
 
 
-def check_data(data_file: Path | None, *needed: str, pair: str | None = None) -> None:
+def check_data(data_file: Path | None, *needed: str, pair: str | None = None, any_split: bool = False) -> None:
     """Parse the operator's JSONL before any model is loaded: a bad file, or one with no prompt in a
     split the command ``needed``, fails in a second, not after the models load (the message names the
     file and line, or the splits' sizes). Given the registered ``pair``, every prompt is also encoded
-    with its tokenizer and chat template (a template that refuses a line names it)."""
+    with its tokenizer and chat template (a template that refuses a line names it). ``any_split``:
+    the command reads the file whole (``scd eval --split all``), so no split need hold a prompt."""
     if data_file is None:
         return
     from tools.data import user
@@ -307,14 +310,14 @@ def check_data(data_file: Path | None, *needed: str, pair: str | None = None) ->
                 fail(pair_trouble(e, err))
     try:
         n = user.counts(data_file, fmt=fmt)
-        for split in needed:
+        for split in () if any_split else needed:
             if not n[split]:
                 raise user.empty_split(data_file, split, n)  # type: ignore[arg-type]  # a split's name
     except (user.DataFileError, OSError, UnicodeDecodeError) as e:
         fail(str(e))
     typer.echo(f"data: {data_file}: {sum(n.values())} prompts ({', '.join(f'{k} {v}' for k, v in n.items())})",
                err=True)
-    warning = user.few_prompts(data_file, n, needed)
+    warning = None if any_split else user.few_prompts(data_file, n, needed)
     if warning:
         typer.echo(warning, err=True)
 

@@ -15,6 +15,7 @@ from tools.cli.common import (
     DType,
     JsonOut,
     Verbose,
+    output_file,
     calibration_prompts,
     check_data,
     entry,
@@ -101,10 +102,17 @@ def eval_(
     pair: str = typer.Option("strong", help="A registered pair."),
     methods: str = typer.Option("oracle,raw,scd-reuse,scd", help="Comma-separated transfer methods; a method "
                                 "with settings is KIND:KEY=VALUE;KEY=VALUE (scd:block_tokens=0.2)."),
-    n: int = typer.Option(48, min=1, help="Number of test prompts."),
+    n: Optional[int] = typer.Option(None, min=1, help="Number of prompts scored (default: 48 of the built-in "
+                                    "data; every prompt of the split of a --data file)."),
     native_prefix: str = typer.Option("on", help="on | off"),
     store_dir: Optional[Path] = typer.Option(None, "--store", help="Artifact store (default: the pair's store)."),
-    data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); its test split is used."),
+    data_file: Optional[Path] = typer.Option(None, "--data", help="Your prompts (JSONL); --split says which of "
+                                             "them are scored."),
+    split: str = typer.Option("test", help="test (default) | validation | calibration | all: the split scored; "
+                              "all scores a held-out file whole (a file calibration never read)."),
+    rows_json: Optional[Path] = typer.Option(None, "--rows-json", callback=output_file,
+                                             help="Also write one JSON line per prompt: its id, kind, length, "
+                                                  "metadata (a --data row's other fields) and each method's scores."),
     data_kind: Optional[str] = typer.Option(None, "--kind", help="Built-in test data: qa (questions over "
                                             "Wikipedia passages; the default), lm (Wikipedia and Python docs, "
                                             "continuation scored) or heldout (license texts, a domain calibration "
@@ -126,8 +134,9 @@ def eval_(
     from shared.codecs.scd import PairArtifacts
     from shared.errors import SCDError
     from shared.model.fingerprint import weights_fingerprint
-    from tools.eval.harness import codec_method, evaluate
-    from tools.eval.report import print_table
+    from tools.data import SPLITS
+    from tools.eval.harness import MAX_NEW_TOKENS, codec_method, evaluate
+    from tools.eval.report import print_buckets, print_table
 
     if data_kind is not None and data_file is not None:  # it was ignored, and recorded as the data's kind
         raise typer.BadParameter("--kind picks built-in test data; with --data your file's test split is used (a "
@@ -135,6 +144,13 @@ def eval_(
     data_kind = data_kind or "qa"
     if data_kind not in ("qa", "lm", "heldout"):
         raise typer.BadParameter(f"--kind must be one of qa, lm, heldout; got {data_kind!r}")
+    if split not in (*SPLITS, "all"):
+        raise typer.BadParameter(f"--split must be one of {', '.join((*SPLITS, 'all'))}; got {split!r}")
+    if data_kind == "heldout" and split != "test":
+        raise typer.BadParameter("--kind heldout is one set of text calibration never reads, with no splits: leave "
+                                 "--split out")
+    if n is None and data_file is None:
+        n = 48
     from shared.codecs import parse_variant
 
     labels = list(name_list(methods))
@@ -169,7 +185,7 @@ def eval_(
         except SCDError as e:
             raise typer.BadParameter(f"{lab}: {e}") from None
     t0 = time.perf_counter()
-    check_data(data_file, "test", pair=pair)
+    check_data(data_file, *(SPLITS if split == "all" else (split,)), pair=pair, any_split=split == "all")
     from tools.assets.registry import calibration_missing
 
     where = store_dir or entry(pair).store_dir()
@@ -224,17 +240,27 @@ def eval_(
         fail(str(e))
     hidden = sorted({l for r in runners.values() for l in getattr(r, "hidden_layers", ())})
     residual = sorted({l for r in runners.values() for l in getattr(r, "residual_layers", ())})
-    its = items(pm, "test", n, data_file, kinds=(data_kind,))
+    its = items(pm, None if split == "all" else split, n, data_file, kinds=(data_kind,))
+    lengths = sorted(len(it.prompt_ids) for it in its)
+    typer.echo(f"scoring {len(its)} prompts of the {split} split ({lengths[0]}-{lengths[-1]} tokens) with "
+               f"{len(runners)} methods: teacher-forced KL" + (f", and {len(runners) * len(its)} greedy answers of up "
+                                                            f"to {MAX_NEW_TOKENS} tokens (--no-answers skips them)"
+                                                            if answers else ""), err=True)
     res = evaluate(producer, consumer, pm.fmt, its, runners, prefix, hidden_layers=hidden, residual_layers=residual,
                    generate=answers)
     for lab, r in runners.items():  # what each KL was measured with (scd bench uses a KL only for the same)
         if hasattr(r, "identity") and lab in res["methods"]:
             res["methods"][lab]["identity"] = r.identity(pfp)
+    rows = res.pop("rows")
     res.update(pair=pair, models={"producer": pfp, "consumer": cfp}, native_prefix=native_prefix, n=len(its),
-               kind="user" if data_file else data_kind, answers=answers,
+               kind="user" if data_file else data_kind, answers=answers, split=split,
                data=str(data_file) if data_file else "built-in",
                seconds=round(time.perf_counter() - t0, 1))
-    print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} n={len(its)}")
+    print_table(res, title=f"eval: pair={pair} native_prefix={native_prefix} split={split} n={len(its)}")
+    print_buckets(res)
+    if rows_json:
+        rows_json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        typer.echo(f"per-prompt scores: {rows_json} ({len(rows)} lines)", err=True)
     if "auto" in runners and not sweep:
         res["auto_choices"] = dict(runners["auto"].choices)
         typer.echo(f"auto chose: {', '.join(f'{k} x{v}' for k, v in runners['auto'].choices.most_common())}")

@@ -52,6 +52,8 @@ class Item(BaseModel):
     (lm); a user prompt may be a list of chat messages."""
     continuation: str = ""
     """The held-out continuation as text (lm; user items that give one)."""
+    meta: dict[str, str | int | float | bool | None] = {}
+    """A user row's other fields (its source, a category...): reported beside its scores, never used."""
 
     def encoded(self, fmt: PromptFormat) -> "Item":
         """This item's token ids for another prompt format (tokenizer and chat template)."""

@@ -12,15 +12,19 @@ one) or a list of chat messages; ``messages`` is a chat as a fine-tuning file ho
 format: a final assistant message is the answer, the messages before it the prompt); ``answer``
 (optional) is a gold answer, scored as task F1; ``continuation`` (optional) is held-out text that
 follows the prompt, scored teacher-forced (without one, the Oracle's own greedy answer is the
-teacher-forced target). Each prompt falls into the calibration, validation or test split by a
+teacher-forced target); ``id`` (optional) names the row in reports. Any other field (a source, a
+category) is the row's metadata: ignored for scoring (one warning names them), kept beside the row's
+scores by ``scd eval --rows-json`` so that results can be grouped by it. Each prompt falls into the calibration, validation or test split by a
 seeded hash of its content, so a line keeps its split when lines are added, removed or reordered,
 and the splits never share a prompt.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 from shared.errors import InvalidRequest
@@ -35,6 +39,12 @@ validation chooses layers, ranks and fallbacks on its own, and test is what ``sc
 The built-in pairs use 64, 24-64 and 48."""
 SPLIT_ROLE = {"calibration": "the codes are fitted on them",
               "validation": "layers, ranks and fallbacks are chosen on them", "test": "the scores average over them"}
+
+
+FIELDS = ("prompt", "answer", "continuation", "id")
+"""The fields a row's prompt is made of; any other is the row's metadata (``Item.meta``)."""
+_WARNED: set[str] = set()
+log = logging.getLogger("scd.data")
 
 
 class DataFileError(ValueError):
@@ -56,6 +66,7 @@ def _records(path: Path) -> list[tuple[int, dict]]:
     if text.startswith("\ufeff"):  # a byte-order mark, as some editors save UTF-8
         text = text[1:]
     out = []
+    extras: dict[str, object] = {}
     for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
@@ -73,13 +84,17 @@ def _records(path: Path) -> list[tuple[int, dict]]:
         if isinstance(obj, dict) and "messages" in obj:
             obj = _from_chat(obj, f"{path}:{i + 1}")
         if not isinstance(obj, dict) or "prompt" not in obj:
+            near = difflib.get_close_matches("prompt", list(obj), n=1, cutoff=0.6) if isinstance(obj, dict) else []
+            near += difflib.get_close_matches("messages", list(obj), n=1, cutoff=0.6) if isinstance(obj, dict) else []
             raise DataFileError(f"{path}:{i + 1}: expected a JSON object with a \"prompt\" (text or a list of chat "
                                 "messages) or \"messages\" (a chat, as fine-tuning files hold it), a JSON string, or "
-                                "a plain text line")
-        unknown = set(obj) - {"prompt", "answer", "continuation", "id"}
-        if unknown:
-            raise DataFileError(f"{path}:{i + 1}: unknown fields {sorted(unknown)}; expected prompt, answer, "
-                                "continuation, id")
+                                "a plain text line" + (f"; it has {near[0]!r}: did you mean \"prompt\" or "
+                                                       "\"messages\"?" if near else ""))
+        extra = {k: obj.pop(k) for k in list(obj) if k not in FIELDS}
+        if extra:  # a metadata column (a source, a category): kept beside the item, for --rows-json
+            obj["meta"] = {k: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v)
+                           for k, v in extra.items()}
+            extras.update(extra)
         p = obj["prompt"]
         if isinstance(p, str):
             if not p.strip():
@@ -104,6 +119,10 @@ def _records(path: Path) -> list[tuple[int, dict]]:
         out.append((i, obj))
     if not out:
         raise DataFileError(f"{path}: no prompts found")
+    if extras and str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        log.warning("%s: fields %s are not prompt, answer, continuation or id: kept as each row's metadata (scd eval "
+                    "--rows-json writes them beside its scores), not used", path, sorted(extras))
     return out
 
 
@@ -198,7 +217,7 @@ def load(path: str | Path, fmt: PromptFormat, split: Split | None = None, n: int
         cont = obj.get("continuation", "")
         items.append(Item(id=obj.get("id") or f"{path.stem}-{i + 1:05d}", kind="user", prompt_ids=ids, prefix_len=pre,
                           answer=obj.get("answer", ""), prompt=obj["prompt"], continuation=cont,
-                          continuation_ids=fmt._ids(cont) if cont else []))
+                          continuation_ids=fmt._ids(cont) if cont else [], meta=obj.get("meta", {})))
         if n is not None and len(items) >= n:
             break
     if not items:

@@ -39,6 +39,7 @@ class MethodResult:
     encode_ms: float = 0.0
     reconstruct_ms: float = 0.0
     resettled: bool = False  # the method changed its settings for this prompt after the prefill
+    served: str = ""  # what ``auto`` chose for this prompt (a point's label)
 
 
 Method = Callable[[Context, ModelAdapter], MethodResult]
@@ -62,6 +63,7 @@ class Acc:
     reconstruct_ms: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
     resettled: int = 0
 
     def summary(self, oracle_ppl: float | None) -> dict:
@@ -72,6 +74,8 @@ class Acc:
             "kl": statistics.fmean(self.kl),
             "kl_by_kind": {k: statistics.fmean(x for x, kk in zip(self.kl, self.kinds) if kk == k)
                            for k in dict.fromkeys(self.kinds)},
+            "kl_by_length": {b: statistics.fmean(x for x, n in zip(self.kl, self.lengths) if length_bucket(n) == b)
+                             for b in sorted(dict.fromkeys(map(length_bucket, self.lengths)), key=_bucket_order)},
             "top1": statistics.fmean(self.top1),
             "agree_f1": statistics.fmean(self.agree_f1) if self.agree_f1 else None,
             "task_f1": statistics.fmean(self.task_f1) if self.task_f1 else None,
@@ -85,6 +89,25 @@ class Acc:
             "resettled": self.resettled,
         }
         return out
+
+
+LENGTH_EDGES = (512, 1024, 2048, 4096, 8192)
+"""Prompt lengths (tokens) that bound the buckets ``kl_by_length`` reports."""
+
+
+def length_bucket(n_tokens: int) -> str:
+    """The bucket of a prompt of ``n_tokens``: "<=512", "513-1024", ..., ">8192"."""
+    lo = 0
+    for edge in LENGTH_EDGES:
+        if n_tokens <= edge:
+            return f"<={edge}" if lo == 0 else f"{lo + 1}-{edge}"
+        lo = edge
+    return f">{lo}"
+
+
+def _bucket_order(label: str) -> int:
+    digits = label.lstrip("<=>").split("-")[0]
+    return int(digits) + (label.startswith(">"))
 
 
 def evaluate(
@@ -106,6 +129,7 @@ def evaluate(
     teacher-forced measures are taken."""
     stop, tok = fmt.stop_ids, fmt.tok
     accs = {name: Acc() for name in methods}
+    rows = []
     k_err = [0.0] * consumer.n_layers
     v_err = [0.0] * consumer.n_layers
     for item in tqdm(items, desc="eval", disable=not progress):
@@ -124,6 +148,9 @@ def evaluate(
         tf = reference or o_toks  # teacher-forced target: held-out continuation, else the Oracle's greedy
         o_lp = consumer.score(clone_cache(o_cache, consumer.config), last, tf)[: len(tf)]
         o_text = tok.decode(o_toks, skip_special_tokens=True)
+        row: dict = {"id": item.id, "kind": item.kind, "tokens": len(item.prompt_ids), "meta": dict(item.meta),
+                     "methods": {}}
+        rows.append(row)
         for name, method in methods.items():
             r = method(ctx, consumer)
             lp = consumer.score(clone_cache(r.cache, consumer.config), last, tf)[: len(tf)]
@@ -133,12 +160,18 @@ def evaluate(
             acc.top1.append(float(top1.mean()))
             acc.tokens.append(len(ctx_ids) - ctx.prefix_len)
             acc.kinds.append(item.kind)
+            acc.lengths.append(len(item.prompt_ids))
+            cell = row["methods"][name] = {"kl": acc.kl[-1], "top1": acc.top1[-1],
+                                           "bytes_per_token": r.bytes / len(ctx_ids), "resettled": r.resettled,
+                                           **({"served": r.served} if r.served else {})}
             if generate:
                 toks = o_toks if name == "oracle" else consumer.greedy(clone_cache(r.cache), last, max_new_tokens, stop)
                 text = tok.decode(toks, skip_special_tokens=True)
                 acc.agree_f1.append(token_f1(text, o_text))
+                cell["agree_f1"] = acc.agree_f1[-1]
                 if item.answer:
                     acc.task_f1.append(token_f1(text, item.answer))
+                    cell["task_f1"] = acc.task_f1[-1]
             target = gold or reference
             if target:
                 glp = consumer.score(clone_cache(r.cache, consumer.config), last, target)[: len(target)]
@@ -158,6 +191,7 @@ def evaluate(
         m["reconstruct_vs_prefill"] = m["reconstruct_ms"] / prefill_ms if prefill_ms else None
     return {
         "methods": summaries,
+        "rows": rows,
         "layers": {"k_rel_err": k_err, "v_rel_err": v_err,
                    "k_growth_per_layer": _slope(depth, k_err), "v_growth_per_layer": _slope(depth, v_err)},
     }

@@ -31,3 +31,16 @@ def print_layers(res: dict) -> None:
     print("K     " + " ".join(f"{x:5.3f}" for x in lay["k_rel_err"]))
     print("V     " + " ".join(f"{x:5.3f}" for x in lay["v_rel_err"]))
     print(f"growth per layer: K {lay['k_growth_per_layer']:+.4f}  V {lay['v_growth_per_layer']:+.4f}")
+
+
+def print_buckets(res: dict) -> None:
+    """KL per kind of text and per prompt length, where the prompts hold more than one of either."""
+    for key, what in (("kl_by_kind", "kind"), ("kl_by_length", "prompt tokens")):
+        groups = list(dict.fromkeys(g for m in res["methods"].values() for g in m.get(key, {})))
+        if len(groups) < 2:
+            continue
+        w = max([12] + [len(name) + 1 for name in res["methods"]])
+        print(f"KL by {what}")
+        print(f"{'method':<{w}}" + "".join(f"{g:>11}" for g in groups))
+        for name, m in res["methods"].items():
+            print(f"{name:<{w}}" + "".join(f"{_fmt('{:.4f}', m.get(key, {}).get(g)):>11}" for g in groups))
