@@ -14,9 +14,9 @@ format: a final assistant message is the answer, the messages before it the prom
 follows the prompt, scored teacher-forced (without one, the Oracle's own greedy answer is the
 teacher-forced target); ``id`` (optional) names the row in reports. Any other field (a source, a
 category) is the row's metadata: ignored for scoring (one warning names them), kept beside the row's
-scores by ``scd eval --rows-json`` so that results can be grouped by it. Each prompt falls into the calibration, validation or test split by a
-seeded hash of its content, so a line keeps its split when lines are added, removed or reordered,
-and the splits never share a prompt.
+scores by ``scd eval --rows-json`` so that results can be grouped by it. Each prompt falls into the
+calibration, validation or test split by a seeded hash of its content, so a line keeps its split
+when lines are added, removed or reordered, and the splits never share a prompt.
 """
 
 from __future__ import annotations
