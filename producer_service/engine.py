@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from producer_service.settings import ProducerSettings
-from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose
+from shared.auto import AutoSettings, Choice, LinkEstimator, can_serve, choose, remake_hint, stale_points
 from shared.codecs import CODECS, CodecContext, TransferMethod, make_method, requires, resolve_variant
 from shared.config import field_errors, first_field
 from shared.domain import EncodedLayer, GenerateRequest, StreamHeader
@@ -163,6 +163,10 @@ class ProducerEngine(Engine):
         self.links = LinkEstimator()  # per consumer: the link rate auto plans for
         self._servable: dict[tuple[str, str], bool] = {}  # (consumer, point label) -> auto may choose it
         self._served = {name: self._holds(name) for name in settings.consumers}  # the contexts are fixed
+        self.stale: dict[str, dict[str, str]] = {}
+        """Per consumer with an operating table: its points ``auto`` cannot serve as measured, with why."""
+        for name in settings.consumers:
+            self._check_table(name)
         for name in settings.consumers:  # said at start: a request for them is refused until a recalibration
             short = [m for m in settings.methods if m not in self.servable(name)]
             if short:
@@ -172,6 +176,26 @@ class ProducerEngine(Engine):
                                            artifacts=settings.consumers[name].artifacts),
                             f" The default method {settings.default_method!r} is one of them: a request that names "
                             "no method is refused too" if settings.default_method in short else "")
+
+    def _check_table(self, consumer: str) -> None:
+        """Said at start: how many points of the consumer's operating table ``auto`` can serve, and the
+        stale ones by name with the command that remakes the table (a recalibration that forgot the
+        table left ``auto`` on its worst points without a word)."""
+        table = self.ctxs[consumer].profiles.get("auto")
+        if table is None or "auto" not in self.settings.methods:
+            return
+        points = [p for p in table["points"] if p["method"] != "oracle" and p["method"] in self.settings.methods]
+        stale = stale_points(table, self.ctxs[consumer], offered=self.settings.methods)
+        self.stale[consumer] = stale
+        for p in points:
+            self._servable[(consumer, p["label"])] = p["label"] not in stale
+        if stale:
+            log.warning("consumer %r: %d of %d points of its operating table can be served; not: %s. auto chooses "
+                        "among the others; %s, then restart the producer", consumer, len(points) - len(stale),
+                        len(points), "; ".join(f"{k}: {v}" for k, v in stale.items()),
+                        remake_hint(table.get("pair", consumer)))
+        else:
+            log.info("consumer %r: all %d points of its operating table can be served", consumer, len(points))
 
     def _format(self, tokenizer: str | None) -> PromptFormat | None:
         """How text prompts for one consumer become ids: its pair's tokenizer and chat template (the

@@ -60,6 +60,8 @@ class ProducerServicer(pbg.ProducerServicer):
         self.engine = engine
         self.metrics = metrics or Metrics("producer")
         self.metrics.prefill_cache_bytes.set_function(lambda: engine.prefill_cache_nbytes)
+        for consumer, stale in engine.stale.items():
+            self.metrics.auto_stale_points.labels(consumer).set(len(stale))
         sec = engine.settings.security
         self._peer_creds = sec.peer_credentials()
         self._peer_md = auth_metadata(sec.bearer())  # the producer sends its own token to its consumers

@@ -114,6 +114,8 @@ def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, setti
     best = min(tied, key=lambda p: (p["bytes_per_token"], ms_of(p)))
     ms = ms_of(best)
     rate = f"{link_mbps:{'.0f' if link_mbps >= 1 else '.3g'}}"
+    stale = [p for p in table["points"] if p["method"] != "oracle" and (offered is None or p["method"] in offered)
+             and usable is not None and not usable(p) and p["kl"] < best["kl"]]
     reason = (f"{best['label']}: expected {ms:.0f} ms for {n_tokens} tokens at {rate} Mbit/s "
               f"({link_source}); validation KL {best['kl']:.4f}, bound {bound:.4f} ({rule})")
     if best is not fastest:
@@ -123,18 +125,48 @@ def choose(table: dict, n_tokens: int, link_mbps: float, link_source: str, setti
     others = [p for p in ranked if p is not best]
     if others:
         reason += f"; next: {others[0]['label']} {ms_of(others[0]):.0f} ms"
+    if stale:  # a fallback nobody would see otherwise: the table's better points no longer match the artifacts
+        reason += (f"; fell back: {len(stale)} point(s) of lower validation KL cannot be served as measured "
+                   f"({', '.join(p['label'] for p in stale)}: stale, the artifacts changed since the table was "
+                   f"made; {remake_hint(table.get('pair', 'PAIR'))})")
     return Choice(best["method"], dict(best["params"]), best["label"], ms, reason)
 
 
-def can_serve(point: dict, ctx) -> bool:
-    """Whether ``point`` can be served with codec context ``ctx`` as it was measured: its method can
-    be made there and reads the artifacts it was measured with (the same pin)."""
+def remake_hint(pair: str) -> str:
+    return f"rerun `scd calibrate --pair {pair} --method auto`"
+
+
+def why_not_servable(point: dict, ctx) -> str | None:
+    """None when ``point`` can be served with the producer's codec context ``ctx`` as it was measured
+    (its method can be made there and reads what it was measured with: the same
+    ``TransferMethod.calibration``); else why not, in a few words."""
     from shared.codecs import make_method
 
     try:
-        return make_method(point["method"], ctx, point["params"]).pin() == point["pin"]
-    except Exception:  # noqa: BLE001 - a point that cannot be made is not chosen
-        return False
+        now = make_method(point["method"], ctx, point["params"]).calibration()
+    except Exception as e:  # noqa: BLE001 - a point that cannot be made is not chosen
+        return f"cannot be made here ({str(e)[:120]})"
+    if now != point["pin"]:
+        return f"stale (measured with calibration {point['pin'] or 'none'!r}, the store now holds {now or 'none'!r})"
+    return None
+
+
+def can_serve(point: dict, ctx) -> bool:
+    """Whether ``point`` can be served with codec context ``ctx`` as it was measured."""
+    return why_not_servable(point, ctx) is None
+
+
+def stale_points(table: dict, ctx, offered: Collection[str] | None = None) -> dict[str, str]:
+    """The points of an operating table (an ``AutoProfile``'s dict) that ``ctx`` cannot serve as they
+    were measured, by label, with why (``why_not_servable``); ``offered``: only these methods'."""
+    out = {}
+    for p in table["points"]:
+        if p["method"] == "oracle" or (offered is not None and p["method"] not in offered):
+            continue
+        why = why_not_servable(p, ctx)
+        if why is not None:
+            out[p["label"]] = why
+    return out
 
 
 class LinkEstimator:

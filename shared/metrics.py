@@ -71,6 +71,9 @@ class Metrics:
         self.auto_choices = Counter(p + "auto_choices", "What requests for the auto method were served with, by "
                                     "consumer (producer; the method label, settings included)", ["consumer", "choice"],
                                     registry=r)
+        self.auto_stale_points = Gauge(p + "auto_stale_points", "Points of a consumer's operating table that auto "
+                                       "cannot serve as they were measured (the artifacts changed since; producer, "
+                                       "from start-up: rerun scd calibrate --method auto)", ["consumer"], registry=r)
         self.resettled = Counter(p + "resettled_requests", "Requests whose method changed its settings after the "
                                  "prefill, by consumer and method (producer; scd: a prompt unlike the calibration "
                                  "text served the whole block by the token-sparse block's guard)",

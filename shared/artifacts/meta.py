@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FORMAT_VERSION = 1
+NOT_SERVED = {"calibration", "versions", "report"}
+"""Manifest fields that describe how the artifacts were made, not what they serve: outside the pin."""
 CODE_KINDS = ("z", "u", "r", "qkv")
 """Kinds of SCD code: REUSE codes, PATCH codes, block entry states, fallback K/V."""
 
@@ -63,7 +66,7 @@ class ArtifactMeta(BaseModel):
     outside what the REUSE codes carry (``SCD.unlike_calibration``), times calibration's margin. A
     prompt above it is unlike the calibration text (another language, another domain), where the
     codes the sparse block keeps carry little; the producer serves it the whole block. A run-time
-    policy, not part of the codes: the artifacts' pin leaves it out (``GUARD_FIELDS``)."""
+    run-time policy: it changes what a prompt is served, so the artifacts' pin covers it."""
     aligner_hidden: int
     calibration: dict[str, Any] = {}
     """Data hash, prompt and token counts, settings."""
@@ -87,6 +90,14 @@ class ArtifactMeta(BaseModel):
 
     files: dict[str, str] = {}
     """File name -> sha256 of every tensor file of the artifact set."""
+
+    @property
+    def pin(self) -> str:
+        """The content hash of what these artifacts serve: every field but ``NOT_SERVED`` (what
+        calibration reports, its data and settings, the library versions), the tensor files' hashes
+        included. A stream header carries it; an operating table's point measured with other
+        artifacts is stale. Rewriting the report (a later calibration stage does) keeps it."""
+        return hashlib.sha256(self.model_dump_json(exclude=NOT_SERVED).encode()).hexdigest()[:16]
 
     @model_validator(mode="after")
     def _layers_in_range(self) -> "ArtifactMeta":

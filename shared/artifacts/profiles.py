@@ -57,8 +57,9 @@ class OperatingPoint(BaseModel):
     method: str
     params: dict[str, str] = {}
     pin: str = ""
-    """The method's pin when measured (its artifacts' or profile's hash): a point whose method now
-    reads other artifacts is stale and not chosen."""
+    """What the method read of the pair's store when measured (``TransferMethod.calibration`` on the
+    producer's side: its artifacts' or profile's pin, ridge's maps): a point whose method now reads
+    other artifacts is stale and not chosen (``shared.auto.can_serve``)."""
     kl: float = Field(ge=0)
     kl_by_kind: dict[str, float] = {}
     bytes_per_token: float = Field(ge=0)

@@ -162,11 +162,22 @@ def save_profile(store_dir: str | Path, pair: str, kind: str, payload: dict, pro
     return path
 
 
+PROFILE_NOT_SERVED = {"report", "data", "pin", "tensors"}
+"""Profile fields that say how it was made (or are added at load), not what it serves: outside its pin."""
+
+
+def profile_pin(body: dict) -> str:
+    """The content hash of what a profile serves (``PROFILE_NOT_SERVED`` left out; a profile with maps
+    carries their sha256): the stream header carries it, so both sides must hold the same profile,
+    and an operating table's point measured with another is stale."""
+    served = {k: v for k, v in body.items() if k not in PROFILE_NOT_SERVED}
+    return hashlib.sha256(json.dumps(served, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+
 def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerprint: str | None = None,
                  consumer_fingerprint: str | None = None) -> dict:
     """A baseline's profile, validated against its kind's model (``profiles.py``) and pinned to the
-    fingerprints given; ``sha256`` is the file's content hash (the stream header carries it, so both
-    sides must hold the same profile), ``tensors`` the maps when the profile has any."""
+    fingerprints given; ``pin`` is ``profile_pin``, ``tensors`` the maps when the profile has any."""
     path = profile_path(store_dir, pair, kind)
     if not path.exists():
         raise NotFound(f"no {kind} profile at {path}: run `scd calibrate --pair {pair} --method {kind}`")
@@ -186,7 +197,7 @@ def load_profile(store_dir: str | Path, pair: str, kind: str, producer_fingerpri
     except ValidationError as e:
         raise PreconditionFailed(f"{path} is not a valid {kind} profile ({field_errors(e)[0]}): rerun "
                                  f"`scd calibrate --pair {pair} --method {kind}`") from None
-    body["sha256"] = hashlib.sha256(raw).hexdigest()[:16]
+    body["pin"] = profile_pin(body)
     for who, want in (("producer", producer_fingerprint), ("consumer", consumer_fingerprint)):
         if want is not None and body.get(f"{who}_fingerprint") != want:
             raise FingerprintMismatch(f"{path} was profiled for {who} weights {body.get(f'{who}_fingerprint')!r}, "

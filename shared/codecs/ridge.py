@@ -88,7 +88,7 @@ class RidgeMap(TransferMethod, kind="ridge", cross_model=True, requires={"profil
         prof = ctx.profiles.get("ridge")
         if prof is None or "tensors" not in prof:
             raise ConfigError("ridge needs the pair's maps: run `scd calibrate --pair NAME --method ridge`")
-        self.maps, self._maps_sha = prof["tensors"], str(prof.get("sha256", ""))
+        self.maps, self._maps_sha = prof["tensors"], str(prof.get("pin", ""))
         n = ctx.model.n_layers
         if any(f"w.{l}" not in self.maps for l in range(n)):
             raise ConfigError(f"the ridge profile does not cover the model's {n} layers: recalibrate the pair")

@@ -16,7 +16,6 @@ projector can be swapped.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,10 +32,6 @@ from shared.domain import Schema, TensorSpec
 from shared.errors import ConfigError, InvalidPayload, InvalidRequest
 from shared.model.hf_adapter import from_rows, to_rows
 
-GUARD_FIELDS = {"block_guard"}
-"""Meta fields that set a run-time policy, not the codes: left out of the artifacts' pin, so that
-adding or refitting them keeps the operating tables measured with the codes."""
-
 
 @dataclass
 class PairArtifacts:
@@ -49,8 +44,8 @@ class PairArtifacts:
 
     @property
     def pin(self) -> str:
-        """The artifact set's content hash: its manifest, which records the sha256 of both sides' files."""
-        return hashlib.sha256(self.meta.model_dump_json(exclude=GUARD_FIELDS).encode()).hexdigest()[:16]
+        """The artifact set's content hash (``ArtifactMeta.pin``: what it serves, both sides' files included)."""
+        return self.meta.pin
 
     def t(self, name: str, device, dtype=torch.float32) -> torch.Tensor:
         return self.tensors[name].to(device, dtype)

@@ -134,7 +134,7 @@ class DroidSpeak(RecomputesBlocks, TransferMethod, kind="droidspeak", cross_mode
                 raise ConfigError("droidspeak needs the pair's profiled blocks (scd calibrate --method droidspeak) "
                                   "or an explicit blocks setting")
             self.blocks = [(int(a), int(b)) for a, b in prof["blocks"]]
-            self._pin = str(prof.get("sha256", ""))
+            self._pin = str(prof.get("pin", ""))
         else:
             self.blocks = check_blocks(cfg.blocks, n)
             self._pin = ""

@@ -86,7 +86,7 @@ class SpectrumKV(TransferMethod, kind="spectrum", compressive=True, requires={"p
                 raise ConfigError("spectrum int4=auto needs the pair's probe result (scd calibrate --method spectrum) "
                                   "or an explicit int4=on|off setting")
             self.int4 = bool(prof["int4"])
-            self._pin = str(prof.get("sha256", ""))
+            self._pin = str(prof.get("pin", ""))
         else:
             self.int4 = cfg.int4 == "on"
             self._pin = ""

@@ -114,3 +114,18 @@ def save_pretrained(model, folder, tokenizer=None) -> str:
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def shaped_model(n_layers: int, hidden_size: int, n_kv_heads: int, head_dim: int, n_heads: int | None = None):
+    """A random-init Llama with a pair's attention shapes (layers, hidden size, KV heads, head width)
+    and a token-sized FFN and vocabulary: what a codec needs to be made against a pair's artifacts
+    (their shapes are checked) without its weights, e.g. to check committed tables in a test."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=16, hidden_size=hidden_size, intermediate_size=8, num_hidden_layers=n_layers,
+                         num_attention_heads=n_heads or hidden_size // head_dim, num_key_value_heads=n_kv_heads,
+                         head_dim=head_dim, max_position_embeddings=8192, tie_word_embeddings=True)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()

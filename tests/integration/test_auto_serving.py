@@ -115,3 +115,25 @@ def test_auto_without_a_table_or_with_bad_settings_is_refused_clearly(svc):
             _gen(svc, **bad)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.details()
     assert _gen(svc, link_mbps="1000000").timings.auto_reason  # the service kept running
+
+
+def test_the_producer_says_at_start_which_points_are_stale_and_counts_them(pair_store, tmp_path, caplog):
+    """A table measured with other artifacts than the store now holds: the producer names each
+    stale point at start with the command that remakes the table, never chooses it, and the metric
+    counts it (it was silent: auto fell back to the best point left)."""
+    from producer_service.servicer import ProducerServicer
+
+    base, cons, tok, out, table = pair_store
+    edited = {**table, "points": [{**p, "pin": "recalibrated"} if p["label"] == "quant" else p
+                                  for p in table["points"]]}
+    store.save_profile(tmp_path, "tiny", "auto", edited, weights_fingerprint(base), weights_fingerprint(cons))
+    s = ProducerSettings.load(model={"path": "unused"}, server={"port": 0}, security=SEC, default_method="raw",
+                              consumers={"tiny": {"address": "127.0.0.1:1", "artifacts": str(tmp_path / "tiny")}},
+                              methods=["oracle", "raw", "quant", "auto"])
+    with caplog.at_level("WARNING", logger="scd.producer"):
+        engine = ProducerEngine(s, base, tok)
+    assert list(engine.stale["tiny"]) == ["quant"]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "2 of 3 points of its operating table can be served" in said and "quant: stale" in said
+    assert "scd calibrate --pair tiny --method auto" in said
+    assert ProducerServicer(engine).metrics.value("auto_stale_points", consumer="tiny") == 1

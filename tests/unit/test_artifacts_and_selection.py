@@ -162,7 +162,7 @@ def test_profiles_are_typed_and_their_format_checked(tmp_path, edit, match):
 
     path = store.save_profile(tmp_path, "p", "droidspeak", {"blocks": [[1, 3]]}, "pf", "cf")
     body = store.load_profile(tmp_path, "p", "droidspeak")
-    assert body["blocks"] == [(1, 3)] and len(body["sha256"]) == 16
+    assert body["blocks"] == [(1, 3)] and len(body["pin"]) == 16
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
     with pytest.raises(PreconditionFailed, match=match):
         store.load_profile(tmp_path, "p", "droidspeak")
@@ -185,7 +185,7 @@ def test_a_stream_encoded_with_other_calibration_data_is_refused(tmp_path):
     model = tiny_model("llama", n_layers=4)
     fp = weights_fingerprint(model)
     path = store.save_profile(tmp_path, "p", "droidspeak", {"blocks": [[1, 3]]}, fp, fp)
-    pin = store.load_profile(tmp_path, "p", "droidspeak")["sha256"]
+    pin = store.load_profile(tmp_path, "p", "droidspeak")["pin"]
 
     def engine(fallback):
         s = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name="p", methods=["droidspeak"],

@@ -107,3 +107,34 @@ def test_the_link_estimate_is_the_best_recent_goodput_of_transfers_big_enough_to
     assert links.estimate("a")[0] == pytest.approx(MIN_SAMPLE_BYTES * 100 * 8 / 1.0 / 1e6)
     assert links.estimate("a", setting=42.0) == (42.0, "setting")
     assert links.estimate("b")[1].startswith("default")
+
+
+def test_a_fallback_because_better_points_are_stale_says_so():
+    """``auto`` chose DroidSpeak on every built-in pair for weeks because the table's SCD points no
+    longer matched the artifacts, and nothing said so: the reason names the stale better points and
+    the command that remakes the table; a point that is merely worse says nothing."""
+    table = {**STRONG, "pair": "strong"}
+    c = choose(table, 1000, 1000, "setting", usable=lambda p: p["method"] != "scd")
+    assert c.method == "droidspeak" and "fell back" not in c.reason  # scd's KL is above droidspeak's
+    c = choose(table, 1000, 1000, "setting", usable=lambda p: p["method"] != "droidspeak")
+    assert c.method == "scd" and "fell back: 1 point(s) of lower validation KL" in c.reason
+    assert "droidspeak: stale" in c.reason and "scd calibrate --pair strong --method auto" in c.reason
+    assert "fell back" not in choose(table, 1000, 1000, "setting").reason
+
+
+def test_stale_points_names_each_point_measured_with_other_artifacts(tiny_pair, tiny_artifacts):
+    from shared.auto import stale_points
+    from shared.codecs import CodecContext, make_method
+    from shared.engine import load_context
+
+    producer, _ = tiny_pair
+    ctx = load_context(producer, tiny_artifacts[0], "producer")
+    pin = make_method("scd", ctx).calibration()
+    table = {"pair": "tiny", "raw_kl": 0.5, "points": [
+        {**_pt("raw", 0.5, 100)}, {**_pt("scd", 0.2, 10), "pin": pin}, {**_pt("scd-reuse", 0.3, 10), "pin": "old"},
+        {**_pt("droidspeak", 0.1, 50), "pin": "x"}]}
+    stale = stale_points(table, ctx)
+    assert set(stale) == {"scd-reuse", "droidspeak"} and "stale (measured with calibration 'old'" in stale["scd-reuse"]
+    assert "cannot be made here" in stale["droidspeak"]  # no profile: it needs its blocks
+    assert stale_points(table, ctx, offered={"raw", "scd"}) == {}
+    assert "cannot be made" in stale_points(table, CodecContext(producer))["scd"]  # no artifacts at all

@@ -27,7 +27,7 @@ def test_ridge_identity_follows_its_maps_which_only_the_producer_reads(contexts)
     must accept the stream); a recalibrated map changes its KL all the same, so its identity names them."""
     pctx, _ = contexts
     def with_maps(sha: str):
-        maps = {**pctx.profiles["ridge"], "sha256": sha}
+        maps = {**pctx.profiles["ridge"], "pin": sha}
         return make_method("ridge", dataclasses.replace(pctx, profiles={**pctx.profiles, "ridge": maps}))
 
     a, b = with_maps("a" * 16), with_maps("b" * 16)

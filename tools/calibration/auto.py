@@ -37,7 +37,7 @@ def operating_table(producer: ModelAdapter, consumer: ModelAdapter, fmt: PromptF
         kind, params = parse_variant(label)
         try:
             runners[label] = codec_method(kind, pctx, cctx, params)
-            pins[label] = runners[label].pin()
+            pins[label] = runners[label].calibration()
         except SCDError as e:
             skipped[label] = str(e)
             log.info("auto: %s skipped (%s)", label, e)

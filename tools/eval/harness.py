@@ -250,5 +250,6 @@ def codec_method(kind: str, producer_ctx, consumer_ctx, params: dict[str, str] |
 
     enc = served[0]
     run.hidden_layers, run.residual_layers, run.pin = enc.hidden_layers(), enc.residual_layers(), enc.pin
+    run.calibration = enc.calibration  # what the producer side reads of the store (an operating point's pin)
     run.identity = enc.identity  # of the method as requested (a prompt's settled variant is served under it)
     return run
