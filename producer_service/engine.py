@@ -23,6 +23,7 @@ from shared.engine import Engine
 from shared.errors import (
     MAX_ID_CHARS,
     ConfigError,
+    SCDError,
     InvalidRequest,
     NotFound,
     PreconditionFailed,
@@ -167,6 +168,10 @@ class ProducerEngine(Engine):
         """Per consumer with an operating table: its points ``auto`` cannot serve as measured, with why."""
         for name in settings.consumers:
             self._check_table(name)
+        self.capture = self._capture_union()
+        """(hidden layers, residual layers) every prefill captures: what any method this producer
+        offers, to any consumer, reads (``auto``: every point it may choose), so that a prompt asked
+        with several methods, or fanned out to consumers served different ones, is prefilled once."""
         for name in settings.consumers:  # said at start: a request for them is refused until a recalibration
             short = [m for m in settings.methods if m not in self.servable(name)]
             if short:
@@ -176,6 +181,28 @@ class ProducerEngine(Engine):
                                            artifacts=settings.consumers[name].artifacts),
                             f" The default method {settings.default_method!r} is one of them: a request that names "
                             "no method is refused too" if settings.default_method in short else "")
+
+    def _capture_union(self) -> tuple[frozenset[int], frozenset[int]]:
+        hidden: set[int] = set()
+        residual: set[int] = set()
+        default_kind, default_params = resolve_variant(self.settings.default_method, {}, strict=False)
+        for name in self.settings.consumers:
+            ctx = self.ctxs[name]
+            wanted = [(k, default_params if k == default_kind else {}) for k in self.servable(name) if k != "auto"]
+            if "auto" in self.servable(name):
+                wanted += [(p["method"], p["params"]) for p in ctx.profiles["auto"]["points"]
+                           if p["method"] in self.settings.methods and self._usable(name, p)]
+            for kind, params in wanted:
+                try:
+                    m = make_method(kind, ctx, params)
+                except SCDError:  # refused per request with its reason; nothing to capture for it
+                    continue
+                hidden |= set(m.hidden_layers())
+                residual |= set(m.residual_layers())
+        if hidden or residual:
+            log.info("every prefill captures the states the offered methods read: hidden %s, residual %s",
+                     sorted(hidden) or "none", sorted(residual) or "none")
+        return frozenset(hidden), frozenset(residual)
 
     def _check_table(self, consumer: str) -> None:
         """Said at start: how many points of the consumer's operating table ``auto`` can serve, and the
@@ -342,6 +369,7 @@ class ProducerEngine(Engine):
             return None, False
         key = tuple(p.prompt_ids[:-1])
         hidden, residual = set(p.method.hidden_layers()), set(p.method.residual_layers())
+        hidden, residual = hidden | self.capture[0], residual | self.capture[1]  # (and a request's own settings')
         cache, size = self._prefills, self.settings.prefill_cache_entries
         old = cache.get(key)
         if old is not None and _covers(old, hidden, residual):

@@ -87,9 +87,10 @@ class ProducerSettings(ServiceSettings):
     prefilled is streamed again without a prefill (one base prefill serving many consumers)."""
     prefill_cache_bytes: Bytes = Field(1 << 30, ge=0)
     """Memory the kept prefill states may hold together (the least recently used go first; a state
-    larger than this is not kept). A state holds the K/V of every layer and the hidden states the
-    methods capture: for SmolLM2-135M in fp32 ~55 kB per prompt token for `scd`, up to ~185 kB
-    where a method captures every layer's states; the default keeps ~18 states of 1,000 tokens."""
+    larger than this is not kept). A state holds the K/V of every layer and the states every method
+    offered reads (each prefill captures them all, so that one prefill serves every method): for
+    SmolLM2-135M in fp32 ~55 kB per prompt token with `scd`, up to ~185 kB where an offered method
+    (spectrum, ridge's tiers) reads every layer's states; the default keeps ~18 states of 1,000 tokens."""
     max_deadline_s: float = Field(600.0, gt=0)
     """Longest deadline a client may ask for; longer ones are cut to this."""
     http: ProducerHTTPSettings = ProducerHTTPSettings()

@@ -260,7 +260,7 @@ def test_http_body_and_prompt_sizes_are_bounded(svc):
                      json={"model": "chat", "prompt": "x" * (1 << 20), "max_tokens": 2})
     assert big.status_code == 413 and "body over" in big.json()["error"]["message"]
     long = httpx.post(http(svc) + "/v1/completions", headers=h, timeout=30,
-                      json={"model": "chat", "prompt": [5] * 5000, "max_tokens": 2})
+                      json={"model": "chat", "prompt": [5] * 9000, "max_tokens": 2})
     assert long.status_code == 400 and "limit" in long.json()["error"]["message"]
     bad = httpx.post(http(svc) + "/v1/chat/completions", headers=h, timeout=30, json={"model": "chat", "messages": []})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]

@@ -88,7 +88,7 @@ class Bad(NamedTuple):
 BAD = [
     Bad("empty prompt", dict(prompt=[], consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "token"),
     Bad("empty text", dict(prompt="   ", consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    Bad("oversized prompt", dict(prompt=[1] * 5000, consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
+    Bad("oversized prompt", dict(prompt=[1] * 9000, consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
     Bad("token out of vocab", dict(prompt=[1, 99999], consumer="same"), grpc.StatusCode.INVALID_ARGUMENT, "vocab"),
     Bad("unknown consumer", dict(consumer="nope"), grpc.StatusCode.NOT_FOUND, "unknown consumer"),
     Bad("several consumers in one call", dict(consumer="same,picky"), grpc.StatusCode.INVALID_ARGUMENT,
