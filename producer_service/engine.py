@@ -23,10 +23,10 @@ from shared.engine import Engine
 from shared.errors import (
     MAX_ID_CHARS,
     ConfigError,
-    SCDError,
     InvalidRequest,
     NotFound,
     PreconditionFailed,
+    SCDError,
     UnknownMethod,
     clip,
     usable_request_id,

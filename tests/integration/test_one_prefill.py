@@ -41,8 +41,8 @@ def svc(tiny_pair, tiny_artifacts, tiny_droidspeak, tmp_path_factory):
     val = [Item(id=f"v{i}", kind="lm", prefix_len=0, prompt_ids=torch.randint(3, 256, (40,), generator=g).tolist())
            for i in range(2)]
     pctx, cctx = (load_context(m, root / "tiny", side) for m, side in ((producer, "producer"), (consumer, "consumer")))
-    table = operating_table(producer, consumer, PromptFormat(tiny_tokenizer()), val, pctx, cctx, candidates=("raw", "scd-reuse", "scd",
-                                                                                   "droidspeak"), progress=False)
+    table = operating_table(producer, consumer, PromptFormat(tiny_tokenizer()), val, pctx, cctx,
+                            candidates=("raw", "scd-reuse", "scd", "droidspeak"), progress=False)
     store.save_profile(root, "tiny", "auto", table, pfp, cfp)
     cs = ConsumerSettings.load(model={"path": "unused"}, server={"port": 0}, name="tiny", artifact_store=str(root),
                                methods=METHODS[:-1])
