@@ -67,6 +67,10 @@ class ArtifactMeta(BaseModel):
     prompt above it is unlike the calibration text (another language, another domain), where the
     codes the sparse block keeps carry little; the producer serves it the whole block. A run-time
     run-time policy: it changes what a prompt is served, so the artifacts' pin covers it."""
+    layer_guard: dict[int, float] = {}
+    """Per layer, the share of a prompt's centred K/V energy outside its REUSE code's span above which
+    the layer crosses as the producer's fp16 K/V for that prompt (``SCD.layer_shares``; calibration:
+    a margin over the validation prompts' highest). Empty: no layer guard. Part of the pin."""
     aligner_hidden: int
     calibration: dict[str, Any] = {}
     """Data hash, prompt and token counts, settings."""
@@ -109,6 +113,9 @@ class ArtifactMeta(BaseModel):
             bad = [i for i in getattr(self, name) if not 0 <= i < n]
             if bad:
                 raise ValueError(f"{name} {bad}: layers are 0..{n - 1}")
+        bad_guard = {i: t for i, t in self.layer_guard.items() if not 0 <= i < n or not t >= 0}
+        if bad_guard:
+            raise ValueError(f"layer_guard {bad_guard}: layers are 0..{n - 1}, thresholds non-negative")
         bad_ranks = {i: r for i, r in self.layer_ranks.items() if not 0 <= i < n or r <= 0}
         if bad_ranks:
             raise ValueError(f"layer_ranks {bad_ranks}: layers are 0..{n - 1}, ranks positive")

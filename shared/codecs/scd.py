@@ -16,6 +16,7 @@ projector can be swapped.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -171,8 +172,17 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         """``auto``: where calibration fitted one, the consumer maps a PATCH block's entry state (the
         producer's residual stream) toward its own with a ridge map before running the block;
         ``none``: the producer's state as sent."""
+        layer_guard: Literal["auto", "none"] = "auto"
+        """``auto``: after its prefill the producer checks each layer that would carry a REUSE code:
+        where this prompt's K/V lie further outside the code's span than any validation prompt's did
+        (the artifacts' ``layer_guard``; none if they hold none), the layer crosses as the producer's
+        fp16 K/V instead (``raw_layers``): text unlike the calibration text's is not "corrected" by
+        a map fitted on other text (news: REUSE-only was 1.05x raw's KL). ``none``: the codes."""
+        raw_layers: Literal["none"] | list[int] = "none"
+        """Layers that cross as the producer's own fp16 K/V (what ``raw`` sends) instead of their REUSE
+        code: the layer guard's answer for one prompt (the producer sets it), or given by hand."""
 
-        @field_validator("patch_layers", mode="before")
+        @field_validator("patch_layers", "raw_layers", mode="before")
         @classmethod
         def _layers(cls, v):
             return parse_int_list(v)
@@ -219,6 +229,18 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         use_fallback = getattr(cfg, "fallback", "auto") == "auto"
         self.fallback = (frozenset(self._fallback_layers()) - self.patch - recomputed
                          if use_fallback else frozenset())
+        self.code_layers = frozenset(range(n_layers)) - self.patch - recomputed - self.fallback - self.sparse_exit
+        """Layers that carry a REUSE code (outside a whole block; a token-sparse block's codes are
+        corrected by its own fit): where the layer guard looks."""
+        raw = getattr(cfg, "raw_layers", "none")
+        self.raw_layers = frozenset() if raw == "none" else frozenset(raw)
+        reuse = self.code_layers | self.fallback
+        if not self.raw_layers <= reuse:
+            raise InvalidRequest(f"raw_layers: layers {sorted(self.raw_layers - reuse)} carry no REUSE code here "
+                                 f"(those that do: {sorted(reuse) or 'none'})", param="raw_layers")
+        self.layer_guard = ({l: t for l, t in self.meta.layer_guard.items() if l in self.code_layers - self.raw_layers}
+                            if getattr(cfg, "layer_guard", "none") == "auto" and not self.raw_kv else {})
+        """Per code layer, the out-of-span share above which this prompt's layer crosses raw (empty: no check)."""
         self._aligners: dict[int, Aligner] = {}
         calibrated = getattr(cfg, "codes", "int8") == "auto" and self.meta.code_bits == 8
         self.levels = dict(self.meta.code_levels) if calibrated and self.uses_levels else {}
@@ -291,7 +313,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     @property
     def decides_after_prefill(self) -> bool:
-        return self.guard > 0
+        return self.guard > 0 or bool(self.layer_guard)
 
     guarded_settings = {"block_tokens": "1"}
     """What a prompt ``unlike_calibration`` is served instead: the whole block."""
@@ -302,10 +324,20 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         return getattr(cfg, "block_guard", "none") == "auto" and self.sends_positions and bool(self.blocks)
 
     def settings_for(self, state, start: int) -> dict[str, str] | None:
-        """These settings with ``guarded_settings`` for a prompt ``unlike_calibration`` (above the guard), else None."""
-        if not self.guard or self.unlike_calibration(state, start) <= self.guard:
-            return None
-        return {**self.cfg.wire_params(), **self.guarded_settings}
+        """These settings with ``guarded_settings`` for a prompt ``unlike_calibration`` (above the
+        guard), and with ``raw_layers`` for the code layers whose K/V lie outside what their code
+        carries (above the layer guard); None when neither guard fires."""
+        out = {}
+        if self.guard and self.unlike_calibration(state, start) > self.guard:
+            out.update(self.guarded_settings)
+            if out.get("fallback") == "raw":  # every layer crosses raw already
+                return {**self.cfg.wire_params(), **out}
+        if self.layer_guard:
+            shares = self.layer_shares(state, start, sorted(self.layer_guard))
+            flagged = sorted(self.raw_layers | {l for l, x in shares.items() if x > self.layer_guard[l]})
+            if len(flagged) > len(self.raw_layers):
+                out["raw_layers"] = json.dumps(flagged)
+        return {**self.cfg.wire_params(), **out} if out else None
 
     def unlike_calibration(self, state, start: int) -> float:
         """How unlike the calibration text a prompt is, from the producer's prefill: the share of its
@@ -314,20 +346,33 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         (what no code can carry; validation prompts of the built-in data 0.092-0.099 on ``strong``,
         French and Spanish text 0.104-0.110)."""
         a, b = self.meta.patch_blocks[0]
-        n = state.keys[a].shape[2] - start
+        shares = self.layer_shares(state, start, range(a, b))
+        return sum(shares.values()) / len(shares) if shares else 0.0
+
+    def layer_shares(self, state, start: int, layers) -> dict[int, float]:
+        """Per layer, the mean over positions ``start``.. (``GUARD_POSITIONS`` of them evenly spaced at
+        most) of the share of each position's centred K/V energy outside the span of the layer's
+        REUSE encoder (what no code carries; K and V averaged for separate codes). {} for no position."""
+        layers = list(layers)
+        if not layers:
+            return {}
+        n = state.keys[layers[0]].shape[2] - start
         if n <= 0:
-            return 0.0
-        pos = start + torch.linspace(0, n - 1, min(n, GUARD_POSITIONS), device=state.keys[a].device).round().long()
+            return {}
+        dev = state.keys[layers[0]].device
+        pos = start + torch.linspace(0, n - 1, min(n, GUARD_POSITIONS), device=dev).round().long()
         parts = ("kv",) if self.meta.reuse_code == "joint" else ("k", "v")
-        shares = []
-        for layer in range(a, b):
+        out = {}
+        for layer in layers:
             k, v = (to_rows(x[:, :, pos]).float() for x in (state.keys[layer], state.values[layer]))
+            shares = []
             for part in parts:
                 q, mu = self.art.span(part, layer, k.device)
                 x = (torch.cat([k, v], 1) if part == "kv" else k if part == "k" else v) - mu
                 total = x.pow(2).sum(1).clamp_min(1e-12)  # ||x - Q Q'x||^2 = ||x||^2 - ||Q'x||^2 (Q orthonormal)
-                shares.append((total - (x @ q).pow(2).sum(1)).clamp_min(0) / total)
-        return float(torch.stack(shares).mean())
+                shares.append(((total - (x @ q).pow(2).sum(1)).clamp_min(0) / total).mean())
+            out[layer] = float(torch.stack(shares).mean())
+        return out
 
     def n_keep(self, n_tokens: int, start: int) -> int:
         """How many positions a token-sparse block recomputes: ``block_tokens`` of those after the
@@ -370,7 +415,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     def _encode_reuse(self, state, layer, start):
         dev, a = state.keys[layer].device, self.art
-        if self.raw_kv:
+        if self.raw_kv or layer in self.raw_layers:
             return {x: y[layer][:, :, start:].to(torch.float16) for x, y in (("k", state.keys), ("v", state.values))}
         k, v = (to_rows(x[:, :, start:]).float() for x in (state.keys[layer], state.values[layer]))
         if layer in self.fallback:
@@ -408,7 +453,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
 
     def _reuse_schema(self, layer, job):
         meta, n = self.meta, job.n_transfer
-        if self.raw_kv:
+        if self.raw_kv or layer in self.raw_layers:
             spec = kv_spec(self.ctx.model, n, torch.float16)
             return {"k": spec, "v": spec}
         if layer in self.fallback:
@@ -437,7 +482,7 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
     def _reuse(self, layer, tensors):
         m = self.ctx.model
         dev, a = m.device, self.art
-        if self.raw_kv:  # names, dtypes and shapes checked against the schema
+        if self.raw_kv or layer in self.raw_layers:  # names, dtypes and shapes checked against the schema
             return tensors["k"], tensors["v"]
         if layer in self.fallback:  # the producer's own K/V, int8 per token
             x = self._uncode(tensors, "qkv", 2 * m.kv_dim).to(dev)

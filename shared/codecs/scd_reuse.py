@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from shared.codecs.base import MethodConfig
+from pydantic import field_validator
+
+from shared.codecs.base import MethodConfig, parse_int_list
 from shared.codecs.scd import SCD
 
 
@@ -23,6 +25,12 @@ class SCDReuse(SCD, kind="scd-reuse", version=2):
         codes: Literal["auto", "int8"] = "auto"
         """``auto``: the artifacts' per-channel scales (their levels are ``scd``'s); ``int8``: a
         per-token scale only."""
+        layer_guard: Literal["auto", "none"] = "auto"
+        """``auto``: code layers whose K/V lie outside what their code carries (further than any
+        validation prompt's, the artifacts' ``layer_guard``) cross as fp16 K/V for this prompt
+        (``raw_layers``); see ``scd``'s setting. ``none``: the codes."""
+        raw_layers: Literal["none"] | list[int] = "none"
+        """Layers that cross as the producer's own fp16 K/V instead of their code (the layer guard's answer)."""
         guard: Literal["auto", "none"] = "auto"
         """``auto``: after its prefill the producer serves ``fallback=raw`` to a prompt unlike the
         calibration text: its K/V further outside what the codes carry than any validation prompt's, by
@@ -30,6 +38,11 @@ class SCDReuse(SCD, kind="scd-reuse", version=2):
         ``block_guard``; none if the artifacts hold no guard or no block). On French text the codes were
         1.37x raw's KL (docs/scd-speed.md, seventeenth and twentieth rounds). ``none``: the codes for
         every prompt. The vLLM connector sends its header before the prefill, so it serves the codes."""
+
+        @field_validator("raw_layers", mode="before")
+        @classmethod
+        def _layers(cls, v):
+            return parse_int_list(v)
 
     uses_levels = False  # the levels were chosen for scd, with its block; REUSE-only keeps 256 levels
 

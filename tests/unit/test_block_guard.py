@@ -11,7 +11,7 @@ from shared.codecs.scd import PairArtifacts
 from shared.model.hf_adapter import to_rows
 from tests.unit.test_codec_contract import IDS, _transfer
 from tests.unit.test_sparse_block import FEW, _sparse_pair
-from tools.calibration.guard import fit_guard
+from tools.calibration.guard import fit_guards
 
 SPARSE = {"block_tokens": 0.5, **FEW}
 
@@ -23,8 +23,8 @@ def contexts(tiny_pair, tmp_path_factory):
 
 def _guarded(ctx: CodecContext, guard: float) -> CodecContext:
     art = ctx.artifacts
-    return CodecContext(ctx.model, PairArtifacts(art.meta.model_copy(update={"block_guard": guard}), art.tensors,
-                                                 art.side), ctx.profiles)
+    meta = art.meta.model_copy(update={"block_guard": guard, "layer_guard": {}})  # the block guard alone
+    return CodecContext(ctx.model, PairArtifacts(meta, art.tensors, art.side), ctx.profiles)
 
 
 def _share_by_pinv(ctx: CodecContext, state, start: int) -> float:
@@ -97,11 +97,15 @@ def test_fit_guard_is_a_margin_over_the_validation_prompts_highest(tiny_pair, co
     m = make_method("scd", _guarded(pctx, 1.0), SPARSE)
     values = [m.unlike_calibration(s, start) for s, start in states]
     meta, tensors = pctx.artifacts.meta, pctx.artifacts.tensors
-    threshold, rep = fit_guard(pctx.model, meta, tensors, states, 1.1)
-    assert abs(threshold - 1.1 * max(values)) < 1e-9 and rep["n_prompts"] == 3 and rep["highest"] == max(values)
-    assert fit_guard(pctx.model, meta, tensors, states, 0)[0] == 0
+    threshold, per_layer, rep = fit_guards(pctx.model, meta, tensors, states, 1.1, 1.05)
+    block = rep["block_guard"]
+    assert abs(threshold - 1.1 * max(values)) < 1e-9 and block["n_prompts"] == 3 and block["highest"] == max(values)
+    shares = [m.layer_shares(s, start, range(meta.n_layers)) for s, start in states]
+    assert per_layer == {l: 1.05 * max(x[l] for x in shares) for l in range(meta.n_layers)}
+    assert fit_guards(pctx.model, meta, tensors, states, 0, 0)[:2] == (0, {})
     no_block = meta.model_copy(update={"patch_blocks": []})
-    assert fit_guard(pctx.model, no_block, tensors, states, 1.1) == (0.0, {"threshold": 0.0, "why": "no PATCH block"})
+    none = fit_guards(pctx.model, no_block, tensors, states, 1.1, 0)
+    assert none[:2] == (0.0, {}) and none[2]["block_guard"] == {"threshold": 0.0, "why": "no PATCH block"}
 
 
 def test_the_harness_serves_a_prompt_above_the_guard_the_whole_block(tiny_pair, contexts):
@@ -126,3 +130,53 @@ def test_the_harness_serves_a_prompt_above_the_guard_the_whole_block(tiny_pair, 
         for layer in range(consumer.n_layers):
             torch.testing.assert_close(r.cache.layers[layer].values, want.layers[layer].values, atol=1e-6, rtol=1e-6)
     assert not all(torch.equal(whole.layers[i].values, sparse.layers[i].values) for i in range(consumer.n_layers))
+
+
+def _layer_guarded(ctx: CodecContext, thresholds: dict[int, float]) -> CodecContext:
+    art = ctx.artifacts
+    meta = art.meta.model_copy(update={"block_guard": 0.0, "layer_guard": thresholds})
+    return CodecContext(ctx.model, PairArtifacts(meta, art.tensors, art.side), ctx.profiles)
+
+
+@pytest.mark.parametrize("kind", ["scd-reuse", "scd"])
+def test_the_layer_guard_sends_a_layer_its_code_does_not_carry_as_raw_sends_it(tiny_pair, contexts, kind):
+    """Per layer that carries a REUSE code, the share of this prompt's K/V outside the code's span
+    against the artifacts' threshold: above it, that layer crosses as the producer's fp16 K/V (the
+    very tensors ``raw`` sends, and the consumer's cache holds exactly raw's there), the others keep
+    their codes; nothing above it, nothing changes."""
+    pctx, cctx = contexts
+    state = pctx.model.prefill(IDS[:-1], hidden_layers=make_method(kind, pctx).hidden_layers())
+    m0 = make_method(kind, _layer_guarded(pctx, {}))
+    code = sorted(m0.code_layers)
+    assert code and not m0.decides_after_prefill  # artifacts without a layer guard decide nothing
+    shares = m0.layer_shares(state, 3, code)
+    hot = code[0]
+    limits = {l: shares[l] * (0.5 if l == hot else 2.0) for l in code}
+    p, c = _layer_guarded(pctx, limits), _layer_guarded(cctx, limits)
+    m = make_method(kind, p)
+    assert m.decides_after_prefill
+    got = m.settings_for(state, 3)
+    assert got is not None and got["raw_layers"] == f"[{hot}]"
+    assert make_method(kind, p, {"layer_guard": "none"}).settings_for(state, 3) is None
+    quiet = _layer_guarded(pctx, {l: shares[l] * 2 for l in code})
+    assert make_method(kind, quiet).settings_for(state, 3) is None
+    raw, _, raw_enc = _transfer("raw", pctx, cctx, start=3)
+    guarded, _, enc = _transfer(kind, p, c, start=3, params=got)
+    plain, _, plain_enc = _transfer(kind, p, c, start=3, params={"layer_guard": "none"})
+    assert set(enc[hot]) == {"k", "v"} and torch.equal(enc[hot]["k"], raw_enc[hot]["k"])
+    assert torch.equal(guarded.layers[hot].values, raw.layers[hot].values)
+    assert not torch.equal(plain.layers[hot].values, raw.layers[hot].values)
+    for l in code[1:]:
+        assert set(enc[l]) == set(plain_enc[l]) and torch.equal(guarded.layers[l].keys, plain.layers[l].keys)
+
+
+def test_raw_layers_names_only_layers_that_carry_a_code(contexts):
+    from shared.errors import InvalidRequest
+
+    pctx, _ = contexts
+    m = make_method("scd", pctx)
+    not_coded = sorted(set(range(pctx.model.n_layers)) - m.code_layers - m.fallback)
+    assert not_coded  # the PATCH block's layers
+    with pytest.raises(InvalidRequest, match=rf"raw_layers: layers \[{not_coded[0]}\] carry no REUSE code") as e:
+        make_method("scd", pctx, {"raw_layers": str(not_coded[0])})
+    assert e.value.param == "method_params.raw_layers" or "raw_layers" in str(e.value)

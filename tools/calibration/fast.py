@@ -36,7 +36,7 @@ from shared.model.hf_adapter import ModelAdapter
 from shared.model.hf_adapter import to_rows as flat
 from shared.version import VERSION
 from tools.calibration import selection as sel
-from tools.calibration.guard import fit_guard
+from tools.calibration.guard import fit_guards
 from tools.calibration.linalg import Moments
 from tools.calibration.memory import PeakRSS, release_memory, timed_stages
 from tools.calibration.pipeline import _Run, _worst, bound_pick
@@ -192,11 +192,13 @@ def calibrate_fast(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: 
                                       no_block=True)
         t = stage("fallback", t)
 
-    guard = 0.0
-    if block and cfg.guard_margin:
-        guard, report["block_guard"] = fit_guard(producer, run.meta((), block), run.reuse0[0],
-                                                 ((vp.state, vp.start) for vp in vps), cfg.guard_margin)
-        t = stage("block_guard", t)
+    guard, layer_guard = 0.0, {}
+    if (block and cfg.guard_margin) or cfg.layer_guard_margin:
+        served = run.meta((), block, fallback=fallback, reuse_fallback=reuse_fallback)
+        guard, layer_guard, guards = fit_guards(producer, served, run.reuse0[0], ((vp.state, vp.start) for vp in vps),
+                                                cfg.guard_margin if block else 0.0, cfg.layer_guard_margin)
+        report.update(guards)
+        t = stage("guards", t)
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     report["peak_rss_mb"]["total"] = max(report["peak_rss_mb"].values())
     report["selected_kl"] = sel_kl
@@ -205,7 +207,7 @@ def calibrate_fast(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: 
     import transformers
 
     meta = run.meta((), block, fallback=fallback, reuse_fallback=reuse_fallback).model_copy(update={
-        "block_guard": guard,
+        "block_guard": guard, "layer_guard": layer_guard,
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": VERSION},

@@ -24,7 +24,7 @@ from shared.model.hf_adapter import ModelAdapter
 from shared.version import VERSION
 from tools.calibration import selection as sel
 from tools.calibration.aligner import train_aligner
-from tools.calibration.guard import fit_guard
+from tools.calibration.guard import fit_guards
 from tools.calibration.levels import tune_levels
 from tools.calibration.linalg import fit_entry_map, fit_reuse, pca
 from tools.calibration.memory import PeakRSS, estimate, timed_stages
@@ -297,11 +297,12 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
         t = stage("code_levels", t)
     served = run.meta(chosen, chosen_block, layer_ranks=layer_ranks, fallback=fallback,
                       reuse_fallback=reuse_fallback, code_levels=levels)
-    guard = 0.0
-    if chosen_block and cfg.guard_margin:
-        guard, report["block_guard"] = fit_guard(producer, served, prod_t, ((vp.state, vp.start) for vp in vps),
-                                                 cfg.guard_margin)
-        t = stage("block_guard", t)
+    guard, layer_guard = 0.0, {}
+    if (chosen_block and cfg.guard_margin) or cfg.layer_guard_margin:
+        guard, layer_guard, guards = fit_guards(producer, served, prod_t, ((vp.state, vp.start) for vp in vps),
+                                                cfg.guard_margin if chosen_block else 0.0, cfg.layer_guard_margin)
+        report.update(guards)
+        t = stage("guards", t)
     report["stage_seconds"]["total"] = round(time.perf_counter() - t_all, 2)
     report["peak_rss_mb"]["total"] = max(report["peak_rss_mb"].values())
     rss.close()
@@ -314,7 +315,7 @@ def calibrate(producer: ModelAdapter, consumer: ModelAdapter, cal_prompts: list[
     import transformers
 
     meta = served.model_copy(update={
-        "block_guard": guard,
+        "block_guard": guard, "layer_guard": layer_guard,
         "calibration": {"data_sha256": data_hash, "n_prompts": tr.n_prompts, "n_tokens": tr.n_tokens,
                         "settings": cfg.model_dump()},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "scd": VERSION},

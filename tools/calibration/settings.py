@@ -68,6 +68,10 @@ class CalibrationSettings(Checked):
     ``SCD.unlike_calibration`` of the validation prompts; 0: no guard. 1.03 on ``strong`` kept every
     test prompt of the built-in data under it and put every French and Spanish one over it
     (docs/scd-speed.md, eighteenth round)."""
+    layer_guard_margin: float = Field(1.0, ge=0)
+    """The layer guard (``layer_guard`` in the artifacts): per layer, this margin over the highest
+    ``SCD.layer_shares`` of the validation prompts; a prompt above it at a layer that carries a REUSE
+    code gets that layer as fp16 K/V. 0: no layer guard. See docs/calibration.md (issue 57)."""
     pre_block_ranks: list[int] = [32, 64, 96, 128]
     """Joint-code ranks tried on the REUSE layers before the PATCH block (where drift matters
     little); the smallest whose validation KL is within ``tolerance`` of the full rank's is kept.

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from tools.cli.app import app
-from tools.cli.common import Verbose, fail, output_dir, setup_logging
+from tools.cli.common import Verbose, fail, output_dir, output_file, setup_logging
 
 
 @app.command()
@@ -119,3 +119,37 @@ def train_adapter(
     if pair not in RECIPES:
         raise typer.BadParameter(f"expected one of {sorted(RECIPES)}, got {pair!r}")
     typer.echo(str(train(pair, out)))
+
+
+@app.command("heldout")
+def heldout(
+    out: Path = typer.Option(..., "--out", callback=output_file, help="The JSONL file to write."),
+    pair: str = typer.Option(..., help="A registered pair: its tokenizer sizes the passages."),
+    tokens: str = typer.Option("1000", help="Passage lengths in tokens, comma-separated (from 2000 on, each "
+                               "passage is a haystack with one planted sentence that the question asks for)."),
+    kinds: str = typer.Option(",".join(("news", "docstrings", "licenses", "french")),
+                              help="Kinds of text, comma-separated: news, docstrings, licenses, french, spanish."),
+    per_kind: int = typer.Option(10, min=1, help="Rows of each kind at each length."),
+) -> None:
+    """Write held-out text of several kinds that neither the built-in data nor calibration reads, as an
+    operator's JSONL (score it whole: scd eval --data FILE --split all --rows-json ROWS)."""
+    from shared.model.loading import load_tokenizer
+    from tools.cli.common import entry
+    from tools.data import heldout as ho
+
+    try:
+        lengths = tuple(int(x) for x in tokens.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"--tokens takes whole numbers separated by commas (1000,3000), got {tokens!r}") from None
+    names = tuple(k.strip() for k in kinds.split(",") if k.strip())
+    bad = [k for k in names if k not in ho.KINDS]
+    if bad or not names:
+        raise typer.BadParameter(f"--kinds {bad or kinds!r}: expected some of {', '.join(ho.KINDS)}")
+    if any(n < 64 for n in lengths):
+        raise typer.BadParameter("--tokens: passages of at least 64 tokens")
+    tok = load_tokenizer(entry(pair).tokenizer)
+    try:
+        n = ho.write(out, tok, names, lengths, per_kind)
+    except FileNotFoundError as e:
+        fail(str(e))
+    typer.echo(f"{out}: {n} rows ({', '.join(names)} at {', '.join(map(str, lengths))} tokens)")

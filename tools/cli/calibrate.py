@@ -191,8 +191,9 @@ def _settings(pair: str, overrides: dict):
 # the --set keys of the methods that check them in their own step (their values: CalibrationSettings)
 _TAKES = {"auto": {"n_val", "candidates"},
           "refine": {"n_val", "val_tokens", "code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
-                     "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens", "guard_margin"},
-          "guard": {"n_val", "guard_margin"},
+                     "spill_dir", "entry_map", "entry_map_ridge", "n_prompts", "max_prompt_tokens", "guard_margin",
+                     "layer_guard_margin"},
+          "guard": {"n_val", "guard_margin", "layer_guard_margin"},
           "fallback": {"n_val", "val_tokens", "fallback_gain", "fallback_bound", "spill_dir", "modes"}}
 
 
@@ -331,7 +332,7 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
     from shared.artifacts import store
     from shared.model.fingerprint import weights_fingerprint
     from tools.calibration import selection as sel
-    from tools.calibration.guard import fit_guard
+    from tools.calibration.guard import fit_guards
     from tools.calibration.levels import tune_levels
     from tools.calibration.linalg import fit_entry_map
     from tools.calibration.scoring import Scorer, scd_sides
@@ -371,15 +372,19 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
                 meta, cons = mapped, {**cons, **entry}
         levels, rep["code_levels"] = tune_levels(scorer, meta, prod, cons, cfg.bytes_target, cfg.levels_tolerance,
                                                  cfg.code_levels_min) if cfg.bytes_target else ({}, {})
-        guard, rep["block_guard"] = fit_guard(pm.producer, meta.model_copy(update={"code_levels": levels}), prod,
-                                              ((vp.state, vp.start) for vp in vps), cfg.guard_margin)
+        guard, layer_guard, guards = fit_guards(pm.producer, meta.model_copy(update={"code_levels": levels}), prod,
+                                                ((vp.state, vp.start) for vp in vps), cfg.guard_margin,
+                                                cfg.layer_guard_margin)
+        rep.update(guards)
     finally:
         spill.cleanup()
     rep["seconds"] = round(time.perf_counter() - t0, 1)
     settings = {**meta.calibration.get("settings", {}),
                 **{k: getattr(cfg, k) for k in ("code_channel", "bytes_target", "levels_tolerance", "code_levels_min",
-                                                "entry_map", "entry_map_ridge", "guard_margin")}}
-    new = meta.model_copy(update={"code_levels": levels, "block_guard": guard, "report": {**meta.report, "refine": rep},
+                                                "entry_map", "entry_map_ridge", "guard_margin",
+                                                "layer_guard_margin")}}
+    new = meta.model_copy(update={"code_levels": levels, "block_guard": guard, "layer_guard": layer_guard,
+                                  "report": {**meta.report, "refine": rep},
                                   "calibration": {**meta.calibration, "settings": settings}})
     folder = store.save(out, new, prod, cons)
     lv = rep["code_levels"]
@@ -397,27 +402,33 @@ def _refine(pm, out: Path, pair: str, val_items: list, val: list, cal: list, ove
 
 
 def _guard(pm, out: Path, pair: str, val: list, overrides: dict) -> None:
-    """The token-sparse block's guard on the pair's existing artifacts (``block_guard`` in their
-    meta, which their pin leaves out: operating tables stay valid), from the validation prompts."""
+    """The guards on the pair's existing artifacts (``block_guard`` and ``layer_guard`` in their meta),
+    from the validation prompts. They change what is served: the pair's operating table is remade
+    after (``scd calibrate --method auto``)."""
     from shared.artifacts import store
     from shared.model.fingerprint import weights_fingerprint
-    from tools.calibration.guard import fit_guard
+    from tools.calibration.guard import fit_guards
 
     cfg = _settings(pair, overrides)
     pfp, cfp = weights_fingerprint(pm.producer.model), weights_fingerprint(pm.consumer.model)
     meta, prod = store.load(out / pair, "producer", pfp, cfp)
     _, cons = store.load(out / pair, "consumer", pfp, cfp)
     states = ((pm.producer.prefill(ids[:-1]), start) for ids, start, _ in val)
-    guard, rep = fit_guard(pm.producer, meta, prod, states, cfg.guard_margin)
-    settings = {**meta.calibration.get("settings", {}), "guard_margin": cfg.guard_margin}
-    new = meta.model_copy(update={"block_guard": guard, "report": {**meta.report, "block_guard": rep},
+    guard, layer_guard, rep = fit_guards(pm.producer, meta, prod, states, cfg.guard_margin, cfg.layer_guard_margin)
+    settings = {**meta.calibration.get("settings", {}), "guard_margin": cfg.guard_margin,
+                "layer_guard_margin": cfg.layer_guard_margin}
+    new = meta.model_copy(update={"block_guard": guard, "layer_guard": layer_guard, "report": {**meta.report, **rep},
                                   "calibration": {**meta.calibration, "settings": settings}})
     folder = store.save(out, new, prod, cons)
+    block = rep["block_guard"]
     if guard:
-        typer.echo(f"block guard {guard:.4f} ({cfg.guard_margin} x the highest of {rep['n_prompts']} validation "
-                   f"prompts, {rep['highest']:.4f}; median {rep['median']:.4f}); written to {folder}")
+        typer.echo(f"block guard {guard:.4f} ({cfg.guard_margin} x the highest of {block['n_prompts']} validation "
+                   f"prompts, {block['highest']:.4f}; median {block['median']:.4f})")
     else:
-        typer.echo(f"no block guard ({rep['why']}); written to {folder}")
+        typer.echo(f"no block guard ({block['why']})")
+    typer.echo(f"layer guard on {len(layer_guard)} layers ({cfg.layer_guard_margin} x the validation prompts' "
+               f"highest share outside each layer's code)" if layer_guard else "no layer guard")
+    typer.echo(f"written to {folder}; remake the operating table: scd calibrate --pair {pair} --method auto")
     typer.echo(json.dumps(rep))
 
 
