@@ -140,7 +140,8 @@ def heldout(
     try:
         lengths = tuple(int(x) for x in tokens.split(","))
     except ValueError:
-        raise typer.BadParameter(f"--tokens takes whole numbers separated by commas (1000,3000), got {tokens!r}") from None
+        raise typer.BadParameter(f"--tokens takes whole numbers separated by commas (1000,3000), got "
+                                 f"{tokens!r}") from None
     names = tuple(k.strip() for k in kinds.split(",") if k.strip())
     bad = [k for k in names if k not in ho.KINDS]
     if bad or not names:
