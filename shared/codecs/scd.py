@@ -172,12 +172,13 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
         """``auto``: where calibration fitted one, the consumer maps a PATCH block's entry state (the
         producer's residual stream) toward its own with a ridge map before running the block;
         ``none``: the producer's state as sent."""
-        layer_guard: Literal["auto", "none"] = "auto"
+        layer_guard: Literal["auto", "none"] = "none"
         """``auto``: after its prefill the producer checks each layer that would carry a REUSE code:
         where this prompt's K/V lie further outside the code's span than any validation prompt's did
         (the artifacts' ``layer_guard``; none if they hold none), the layer crosses as the producer's
-        fp16 K/V instead (``raw_layers``): text unlike the calibration text's is not "corrected" by
-        a map fitted on other text (news: REUSE-only was 1.05x raw's KL). ``none``: the codes."""
+        fp16 K/V instead (``raw_layers``). ``none`` (default for ``scd``): the codes; with the block,
+        on 50 held-out prompts of five kinds the guard left KL where it was (0.1454 vs 0.1449) at 2.9x
+        the bytes (docs/calibration.md, issue 57). ``scd-reuse`` guards by default."""
         raw_layers: Literal["none"] | list[int] = "none"
         """Layers that cross as the producer's own fp16 K/V (what ``raw`` sends) instead of their REUSE
         code: the layer guard's answer for one prompt (the producer sets it), or given by hand."""
@@ -334,10 +335,15 @@ class SCD(RecomputesBlocks, TransferMethod, kind="scd", version=2, compressive=T
                 return {**self.cfg.wire_params(), **out}
         if self.layer_guard:
             shares = self.layer_shares(state, start, sorted(self.layer_guard))
-            flagged = sorted(self.raw_layers | {l for l, x in shares.items() if x > self.layer_guard[l]})
-            if len(flagged) > len(self.raw_layers):
-                out["raw_layers"] = json.dumps(flagged)
+            flagged = {l for l, x in shares.items() if x > self.layer_guard[l]}
+            if flagged:
+                out.update(self.layer_guarded_settings(flagged))
         return {**self.cfg.wire_params(), **out} if out else None
+
+    def layer_guarded_settings(self, flagged: set[int]) -> dict[str, str]:
+        """What a prompt whose K/V lie outside the codes' span at the code layers ``flagged`` is
+        served: those layers as the producer's fp16 K/V."""
+        return {"raw_layers": json.dumps(sorted(self.raw_layers | flagged))}
 
     def unlike_calibration(self, state, start: int) -> float:
         """How unlike the calibration text a prompt is, from the producer's prefill: the share of its

@@ -139,35 +139,44 @@ def _layer_guarded(ctx: CodecContext, thresholds: dict[int, float]) -> CodecCont
 
 
 @pytest.mark.parametrize("kind", ["scd-reuse", "scd"])
-def test_the_layer_guard_sends_a_layer_its_code_does_not_carry_as_raw_sends_it(tiny_pair, contexts, kind):
+def test_the_layer_guard_sends_what_the_codes_do_not_carry_as_raw_sends_it(tiny_pair, contexts, kind):
     """Per layer that carries a REUSE code, the share of this prompt's K/V outside the code's span
-    against the artifacts' threshold: above it, that layer crosses as the producer's fp16 K/V (the
-    very tensors ``raw`` sends, and the consumer's cache holds exactly raw's there), the others keep
-    their codes; nothing above it, nothing changes."""
+    against the artifacts' threshold. Above it at one layer: ``scd`` sends that layer as the
+    producer's fp16 K/V (the very tensors ``raw`` sends; the consumer's cache holds raw's there) and
+    keeps the other codes; ``scd-reuse``, with no block to lean on, sends every layer as raw does.
+    Nothing above it, nothing changes."""
     pctx, cctx = contexts
     state = pctx.model.prefill(IDS[:-1], hidden_layers=make_method(kind, pctx).hidden_layers())
-    m0 = make_method(kind, _layer_guarded(pctx, {}))
+    on = {"layer_guard": "auto"}  # scd's default is none: its block carries such text better than raw layers
+    m0 = make_method(kind, _layer_guarded(pctx, {}), on)
     code = sorted(m0.code_layers)
     assert code and not m0.decides_after_prefill  # artifacts without a layer guard decide nothing
     shares = m0.layer_shares(state, 3, code)
     hot = code[0]
     limits = {l: shares[l] * (0.5 if l == hot else 2.0) for l in code}
     p, c = _layer_guarded(pctx, limits), _layer_guarded(cctx, limits)
-    m = make_method(kind, p)
+    m = make_method(kind, p, on)
     assert m.decides_after_prefill
     got = m.settings_for(state, 3)
-    assert got is not None and got["raw_layers"] == f"[{hot}]"
     assert make_method(kind, p, {"layer_guard": "none"}).settings_for(state, 3) is None
     quiet = _layer_guarded(pctx, {l: shares[l] * 2 for l in code})
-    assert make_method(kind, quiet).settings_for(state, 3) is None
-    raw, _, raw_enc = _transfer("raw", pctx, cctx, start=3)
-    guarded, _, enc = _transfer(kind, p, c, start=3, params=got)
+    assert make_method(kind, quiet, on).settings_for(state, 3) is None
+    assert (make_method(kind, p).settings_for(state, 3) is None) == (kind == "scd")  # the defaults
+    raw, raw_bytes, raw_enc = _transfer("raw", pctx, cctx, start=3)
+    guarded, guarded_bytes, enc = _transfer(kind, p, c, start=3, params=got)
     plain, _, plain_enc = _transfer(kind, p, c, start=3, params={"layer_guard": "none"})
-    assert set(enc[hot]) == {"k", "v"} and torch.equal(enc[hot]["k"], raw_enc[hot]["k"])
-    assert torch.equal(guarded.layers[hot].values, raw.layers[hot].values)
     assert not torch.equal(plain.layers[hot].values, raw.layers[hot].values)
-    for l in code[1:]:
-        assert set(enc[l]) == set(plain_enc[l]) and torch.equal(guarded.layers[l].keys, plain.layers[l].keys)
+    if kind == "scd-reuse":
+        assert got is not None and got["fallback"] == "raw" and guarded_bytes == raw_bytes
+        layers = range(pctx.model.n_layers)
+    else:
+        assert got is not None and got["raw_layers"] == f"[{hot}]"
+        layers = [hot]
+        for l in code[1:]:
+            assert set(enc[l]) == set(plain_enc[l]) and torch.equal(guarded.layers[l].keys, plain.layers[l].keys)
+    for l in layers:
+        assert set(enc[l]) == {"k", "v"} and torch.equal(enc[l]["k"], raw_enc[l]["k"])
+        assert torch.equal(guarded.layers[l].values, raw.layers[l].values)
 
 
 def test_raw_layers_names_only_layers_that_carry_a_code(contexts):

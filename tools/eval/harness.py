@@ -159,7 +159,7 @@ def evaluate(
             acc.kl.append(float(kl.mean()))
             acc.top1.append(float(top1.mean()))
             acc.tokens.append(len(ctx_ids) - ctx.prefix_len)
-            acc.kinds.append(item.kind)
+            acc.kinds.append(str(item.meta.get("kind") or item.kind))  # a data file's own kind column, if any
             acc.lengths.append(len(item.prompt_ids))
             cell = row["methods"][name] = {"kl": acc.kl[-1], "top1": acc.top1[-1],
                                            "bytes_per_token": r.bytes / len(ctx_ids), "resettled": r.resettled,
