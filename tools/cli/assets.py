@@ -128,7 +128,8 @@ def heldout(
     tokens: str = typer.Option("1000", help="Passage lengths in tokens, comma-separated (from 2000 on, each "
                                "passage is a haystack with one planted sentence that the question asks for)."),
     kinds: str = typer.Option(",".join(("news", "docstrings", "licenses", "french")),
-                              help="Kinds of text, comma-separated: news, docstrings, licenses, french, spanish."),
+                              help="Kinds of text, comma-separated: news, docstrings, licenses, french, spanish, "
+                                   "verse."),
     per_kind: int = typer.Option(10, min=1, help="Rows of each kind at each length."),
 ) -> None:
     """Write held-out text of several kinds that neither the built-in data nor calibration reads, as an

