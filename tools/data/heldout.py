@@ -112,9 +112,10 @@ def rows(tok, kinds: tuple[str, ...] = KINDS, tokens: int = 1000, per_kind: int 
         while made < per_kind and pos < len(texts):
             parts, n = [], 0
             while n < tokens and pos < len(texts):
-                ids = tok(texts[pos], add_special_tokens=False)["input_ids"]
+                text = texts[pos][: 8 * (tokens - n) + 64]  # a token is never 8 characters on average
+                ids = tok(text, add_special_tokens=False)["input_ids"]
                 take = ids[: tokens - n]
-                parts.append(tok.decode(take) if len(take) < len(ids) else texts[pos])
+                parts.append(tok.decode(take) if len(take) < len(ids) else text)
                 n += len(take)
                 pos += 1
             if n < tokens * 0.8:
