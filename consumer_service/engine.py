@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from shared.errors import (
 from shared.generation import Generator, Sampling, fresh_seed
 from shared.handshake import incompatibility, pin_mismatch
 from shared.metrics import Metrics
+from shared.tasks import finish, spawn
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +250,11 @@ class ConsumerEngine(Engine):
         t0 = time.perf_counter()
         err: BaseException | None = None
         try:
-            ev = await asyncio.wait_for(anext(events), min(lease, left, progress))
+            # not wait_for: on Python 3.11 it loses a cancellation that meets a frame arriving, and the
+            # reader of a request already ended went on waiting for frames (tests/integration/test_leaks.py)
+            wait = min(lease, left, progress)
+            async with asyncio.timeout(wait if math.isfinite(wait) else None):
+                ev = await anext(events)
         except (StopAsyncIteration, asyncio.TimeoutError) as e:
             err = e
         finally:  # the wait since the stream's data began counts against the progress rate
@@ -301,12 +307,12 @@ class ConsumerEngine(Engine):
         async with self.admission.slot(self.cache_estimate(req), wait):
             drain = end = None
             if req.fallback:  # the frames are verified and dropped while the consumer prefills itself
-                drain = asyncio.create_task(self._drain(events, deadline, record))
+                drain = spawn(self._drain(events, deadline, record), self.metrics.live_tasks)
             else:
                 await self._reconstruct(req, events, deadline, hold, record)
                 # the trailer must end the stream: its end is awaited while decoding, and before the final
                 # event (a frame after the trailer fails the request, its memory and slot freed)
-                end = asyncio.create_task(self._end(events, deadline, record))
+                end = spawn(self._end(events, deadline, record), self.metrics.live_tasks)
             try:
                 async for ev in self._decode(req, deadline):
                     if end is not None and (end.done() or ev.timings is not None):
@@ -314,12 +320,8 @@ class ConsumerEngine(Engine):
                     yield ev
                 if drain is not None:  # the answer is out; the call ends once the producer has sent it all
                     await drain
-            finally:
-                for task in (drain, end):
-                    if task is not None:
-                        task.cancel()
-                        if task.done() and not task.cancelled():
-                            task.exception()  # retrieved: a fault after another one is not logged as unhandled
+            finally:  # a fault after another one is retrieved there, not logged as unhandled
+                await finish(drain, end)
 
     async def _drain(self, events, deadline: float, record: TransferRecord) -> None:
         """Read the rest of a stream the consumer does not use, so that the producer's call ends
@@ -345,10 +347,12 @@ class ConsumerEngine(Engine):
                     await queue.put(ev)
                     if isinstance(ev, TrailerReceived):
                         return
-            except BaseException as e:  # noqa: BLE001 - handed to the reconstruct loop, which raises it
+            except asyncio.CancelledError:
+                raise  # the request ended: the loop below is gone and nothing waits for the queue
+            except Exception as e:  # noqa: BLE001 - handed to the reconstruct loop, which raises it
                 await queue.put(e)
 
-        reader = asyncio.create_task(receive())
+        reader = spawn(receive(), self.metrics.live_tasks)
         held: list[LayerReceived] = []
         try:
             while True:
@@ -365,9 +369,11 @@ class ConsumerEngine(Engine):
                     await self.run(self.add_layer, req, item.layer, item.tensors)
             for item in held:
                 await self.run(self.add_layer, req, item.layer, item.tensors)
-        finally:
-            reader.cancel()
+        finally:  # the reader ends before the request does; what it queued goes with the queue
+            await finish(reader)
             held.clear()
+            while not queue.empty():
+                queue.get_nowait()
 
     async def _decode(self, req: Request, deadline: float) -> AsyncGenerator[TokenEvent, None]:
         m, h = self.metrics, req.header

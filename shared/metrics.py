@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -78,6 +78,12 @@ class Metrics:
                                  "prefill, by consumer and method (producer; scd: a prompt unlike the calibration "
                                  "text served the whole block by the token-sparse block's guard)",
                                  ["consumer", "method"], registry=r)
+
+        self.live_tasks = Gauge(p + "live_tasks", "Tasks that requests started (read-ahead, drain, fan-out, "
+                                "prefill) and that have not ended yet: 0 when idle; one that stays above 0 with no "
+                                "request in flight is a leak", registry=r)
+        # the process's own: scd_<service>_process_resident_memory_bytes, _open_fds, _cpu_seconds_total, ...
+        ProcessCollector(namespace=f"scd_{service}", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

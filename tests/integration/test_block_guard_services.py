@@ -55,7 +55,8 @@ def test_a_prompt_above_the_guard_is_served_the_whole_block(tmp_path):
         assert pm.value("resettled_requests_total", consumer="g", method="scd") == 1
         unguarded = gen(SPARSE + ";block_guard=none")
         assert pm.value("resettled_requests_total", consumer="g", method="scd") == 1
-        raw, reuse, codes = gen("raw"), gen("scd-reuse"), gen("scd-reuse:guard=none")
+        # both of scd-reuse's guards off (the block's and the layer guard): the codes
+        raw, reuse, codes = gen("raw"), gen("scd-reuse"), gen("scd-reuse:guard=none;layer_guard=none")
         assert pm.value("resettled_requests_total", consumer="g", method="scd-reuse") == 1
     assert reuse.token_ids == raw.token_ids and reuse.timings.payload_bytes == raw.timings.payload_bytes
     assert codes.timings.payload_bytes < raw.timings.payload_bytes
