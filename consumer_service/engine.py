@@ -141,6 +141,10 @@ class ConsumerEngine(Engine):
                                  param="prompt")
         if h.n_tokens != n_prompt - 1:
             raise InvalidPayload(f"header n_tokens={h.n_tokens}; expected prompt length - 1 = {n_prompt - 1}")
+        if h.prefix_len and not (h.native_prefix and h.prefix_len < n_prompt):
+            raise InvalidPayload(f"header prefix_len={h.prefix_len} with native_prefix={str(h.native_prefix).lower()} "
+                                 f"and {n_prompt} prompt tokens: a prefix is declared with native_prefix set and is "
+                                 "shorter than the prompt")
         sampling = self.sampling(h.sampling)
         if self.context and n_prompt + sampling.max_new_tokens > self.context:
             raise InvalidRequest(f"the prompt's {n_prompt} tokens and max_new_tokens={sampling.max_new_tokens} pass "
@@ -241,7 +245,7 @@ class ConsumerEngine(Engine):
                     after_trailer: bool = False) -> StreamEvent | None:
         """``_next``'s wait: the next event, or None at the end of the stream."""
         s = self.settings
-        lease, left = s.frame_timeout_s, deadline - time.time()
+        lease, left = s.frame_timeout_s + self._prefill_allowance(record), deadline - time.time()
         progress = self._progress_left(record) if record is not None else float("inf")
         if left <= 0:
             raise TimeoutError("the request's deadline passed; request aborted and its memory freed")
@@ -273,8 +277,17 @@ class ConsumerEngine(Engine):
             raise TimeoutError(f"the stream did not end within {lease:g} s (frame_timeout_s) of its trailer: the "
                                "sender must close its side after the trailer; request aborted and its memory freed"
                                ) from None
-        raise TimeoutError(f"no frame for {lease:g} s (frame_timeout_s); request aborted and its memory freed"
-                           ) from None
+        why = "frame_timeout_s" if lease == s.frame_timeout_s else \
+            "frame_timeout_s + prefill_allowance_ms_per_token x prompt tokens: the producer's prefill"
+        raise TimeoutError(f"no frame for {lease:g} s ({why}); request aborted and its memory freed") from None
+
+    def _prefill_allowance(self, record: TransferRecord | None) -> float:
+        """Seconds added to the frame lease while the producer may be prefilling: before the stream's
+        first data frame, by the header's prompt length (before the header: the longest prompt taken)."""
+        if record is not None and record.data_from is not None:
+            return 0.0
+        tokens = record.prompt_tokens if record is not None and record.prompt_tokens else self.prompt_limit()[0]
+        return self.settings.prefill_allowance_ms_per_token * tokens / 1e3
 
     def _slow(self, record) -> str:
         return (f"the stream delivered {record.bytes_in:,} bytes in {record.waited_s:.1f} s of waiting, under "

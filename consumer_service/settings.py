@@ -57,6 +57,12 @@ class ConsumerSettings(ServiceSettings):
     layer is rebuilt, and at most this many decoded layers wait in memory."""
     frame_timeout_s: float = Field(30.0, gt=0)
     """A request that receives no frame for this long is aborted and its memory freed (lease)."""
+    prefill_allowance_ms_per_token: float = Field(20.0, ge=0)
+    """The producer prefills after it sends the header (or before, for a method that settles its
+    settings on the prefill): the wait for a stream's first data frame, and for a header, may last
+    ``frame_timeout_s`` plus this much per prompt token (per token of the longest prompt taken, while
+    the header is not there yet). The default gives a 1,000-token prompt 20 s more, 8,192 tokens 164 s:
+    a long prompt on a busy producer is served, a producer that stalls is still cut."""
     min_progress_bytes_per_s: int = Field(65536, ge=0)
     """A stream must deliver at least this many wire bytes per second of waiting for it (after
     ``progress_grace_s``), or it is aborted and its admission slot freed: a peer that trickles

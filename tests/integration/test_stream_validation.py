@@ -137,3 +137,48 @@ def test_a_stream_left_open_after_its_trailer_is_bounded_by_the_frame_lease(svc)
         release.set()
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "did not end" in err.details(), err.details()
     still_serves(svc, "lease")
+
+
+# ---------------------------------------------------------------------------- a header at odds with itself
+@pytest.mark.parametrize("fields,says", [
+    (dict(native_prefix=False, prefix_len=1000), "prefix_len=1000 with native_prefix=false"),
+    (dict(native_prefix=True, prefix_len=1000), "prefix_len=1000 with native_prefix=true"),
+    (dict(native_prefix=False, prefix_len=3), "prefix_len=3 with native_prefix=false"),
+    (dict(n_tokens=5), "n_tokens=5"),
+])
+def test_a_header_inconsistent_with_itself_is_refused(svc, fields, says):
+    """A prefix longer than the prompt, or declared without native_prefix, was accepted (issue 58)."""
+    err, inband = refused(svc, "same", make_frames(svc, "same", **fields))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.details(), err.details()
+    assert inband.code == "INVALID_ARGUMENT"
+    still_serves(svc)
+
+
+# ---------------------------------------------------------------------------- the producer's prefill
+@pytest.mark.parametrize("allowance,served", [(200.0, True), (0.0, False)])
+def test_the_wait_for_the_first_data_frame_allows_for_the_prefill(svc, monkeypatch, allowance, served):
+    """The producer sends the header, then prefills: the first data frame came after frame_timeout_s
+    on a busy producer with a long prompt, and the request failed with 'no frame for 30 s' (issue 58).
+    Here the sender waits 3 s after its header, over the lease consumer's frame_timeout_s of 1.5 s:
+    served with 200 ms per prompt token (40 tokens: 8 s more), cut without an allowance."""
+    import threading
+
+    eng = cons(svc, "lease").engine
+    monkeypatch.setattr(eng, "settings", eng.settings.model_copy(update={"prefill_allowance_ms_per_token": allowance}))
+    frames, release = make_frames(svc, "lease", max_new=2), threading.Event()
+
+    def prefilling():
+        yield frames[0]
+        release.wait(3.0)  # "prefilling"
+        yield from frames[1:]
+
+    try:
+        got, err = outcome(svc, "lease", prefilling())
+    finally:
+        release.set()
+    if served:
+        assert err is None and got[-1].HasField("timings"), err
+    else:
+        assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+        assert "no frame for 1.5 s (frame_timeout_s)" in err.details(), err.details()
+    still_serves(svc, "lease")
