@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from producer_service.settings import ProducerSettings
@@ -35,6 +37,7 @@ from shared.generation import Sampling
 from shared.model.hf_adapter import PrefillState
 from shared.model.prompt import PromptFormat
 from shared.rpc.wire import PROTOCOL_VERSION
+from shared.tasks import spawn
 
 log = logging.getLogger("scd.producer")
 
@@ -121,6 +124,8 @@ class _Inflight:
     """A prefill running for one or more concurrent requests of the same prompt."""
 
     task: asyncio.Future
+    stop: threading.Event
+    """Set when the prefill is called off: the worker's pass ends before its next layer."""
     waiters: int = 0
 
 
@@ -145,6 +150,8 @@ class ProducerEngine(Engine):
     def __init__(self, settings: ProducerSettings, model, tokenizer=None):
         super().__init__(settings, model, tokenizer, "producer")
         self.settings: ProducerSettings = settings
+        self.live_tasks: Gauge | None = None
+        """The service's live-task gauge (its servicer sets it): running prefills are counted there."""
         if not settings.consumers:
             log.warning("no consumers configured: the producer is not ready (health NOT_SERVING, /health 503) and "
                         "refuses every request; give --consumer NAME=HOST:PORT or consumers.NAME.address")
@@ -359,7 +366,7 @@ class ProducerEngine(Engine):
             prefix_len=p.prefix_len, consumer=p.request.consumer, deadline_unix=deadline_unix)
 
     # ------------------------------------------------------------------ torch work (worker thread)
-    def prefill(self, p: Prepared) -> tuple[PrefillState | None, bool]:
+    def prefill(self, p: Prepared, stop: Callable[[], bool] | None = None) -> tuple[PrefillState | None, bool]:
         """The base model's prefill of the prompt (all but its last token), keyed by the token ids
         alone: with ``prefill_cache_entries`` > 0 the most recent states are kept, and a state that
         lacks a layer the method captures is redone with both sets (so one state serves every
@@ -377,7 +384,8 @@ class ProducerEngine(Engine):
             return old, True
         if old is not None:
             hidden, residual = hidden | old.hidden.keys(), residual | old.residual.keys()
-        state = self.adapter.prefill(key, hidden_layers=sorted(hidden), residual_layers=sorted(residual))
+        state = self.adapter.prefill(key, hidden_layers=sorted(hidden), residual_layers=sorted(residual),
+                                     stop=stop)
         if old is not None:
             del cache[key]
             self.prefill_cache_nbytes -= old.nbytes
@@ -407,7 +415,8 @@ class ProducerEngine(Engine):
             state, _ = await self._wait(key, running)
             if state is not None and _covers(state, *need):
                 return state, True
-        entry = _Inflight(asyncio.ensure_future(self.run(self.prefill, p)))
+        stop = threading.Event()
+        entry = _Inflight(spawn(self.run(self.prefill, p, stop.is_set), self.live_tasks), stop)
         self._inflight[key] = entry
         entry.task.add_done_callback(lambda _: self._inflight.pop(key) if self._inflight.get(key) is entry else None)
         return await self._wait(key, entry)
@@ -423,6 +432,7 @@ class ProducerEngine(Engine):
             if entry.waiters == 1 and not entry.task.done():
                 if self._inflight.get(key) is entry:
                     del self._inflight[key]  # no later request may join a prefill being called off
+                entry.stop.set()  # a pass that has started ends at its next layer
                 entry.task.cancel()
             raise
         finally:

@@ -60,6 +60,7 @@ class ProducerServicer(pbg.ProducerServicer):
         self.engine = engine
         self.metrics = metrics or Metrics("producer")
         self.metrics.prefill_cache_bytes.set_function(lambda: engine.prefill_cache_nbytes)
+        engine.live_tasks = self.metrics.live_tasks
         for consumer, stale in engine.stale.items():
             self.metrics.auto_stale_points.labels(consumer).set(len(stale))
         sec = engine.settings.security

@@ -60,6 +60,10 @@ class UnsupportedModel(ConfigError):
     """The model's family or configuration is not one the adapter can read and write."""
 
 
+class PrefillCalledOff(Exception):
+    """A prefill stopped between two layers because its ``stop`` said so (nobody waits for it any more)."""
+
+
 @dataclass(frozen=True)
 class PrefillState:
     """What one producer prefill yields, captured in a single forward pass."""
@@ -222,17 +226,37 @@ class ModelAdapter:
             for h in handles:
                 h.remove()
 
+    @contextlib.contextmanager
+    def _stoppable(self, stop: Callable[[], bool] | None) -> Iterator[None]:
+        if stop is None:
+            yield
+            return
+        mine = _this_thread()
+
+        def check(_mod, _args):
+            if mine() and stop():
+                raise PrefillCalledOff("the prefill was called off")
+
+        handles = [layer.register_forward_pre_hook(check) for layer in self.layers]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     @torch.inference_mode()
     def prefill(
         self,
         ids: torch.Tensor | Sequence[int],
         hidden_layers: Sequence[int] = (),
         residual_layers: Sequence[int] = (),
+        stop: Callable[[], bool] | None = None,
     ) -> PrefillState:
         """One forward pass over ``ids`` capturing pre-RoPE K/V at every layer, ``h_l`` at
-        ``hidden_layers`` and the residual-stream input at ``residual_layers``."""
+        ``hidden_layers`` and the residual-stream input at ``residual_layers``. ``stop`` is asked
+        before each layer: when it says True the pass ends there (``PrefillCalledOff``)."""
         ids = self._ids(ids)
-        with self._capture(range(self.n_layers), hidden_layers, residual_layers) as cap:
+        with self._capture(range(self.n_layers), hidden_layers, residual_layers) as cap, self._stoppable(stop):
             out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
         return PrefillState(
             keys=tuple(cap["k"][i] for i in range(self.n_layers)),
