@@ -8,8 +8,10 @@ Printed: requests by kind and outcome, p50/p99 TTFT of the successful ones, each
 after warm-up, at its peak and at the end. Exit status 1 if a request was lost (no final event and
 no error), an HTTP 5xx came outside the restart window, a well-formed request was refused (a 4xx
 other than 429, a corrupt stream answered other than DATA_LOSS), or a service's final RSS is over
-110% of its post-warm-up level. One request of the traffic's shape goes first: settings the services
-refuse (``--max-new-tokens`` over the consumer's limit) end the run before the traffic starts."""
+its post-warm-up level by more than 5% (or 50 MB, whichever is more). ``--faults`` adds streams
+that fail part-way (``tools.soak_faults``), each of which must get its one answer. One request of
+the traffic's shape goes first: settings the services refuse (``--max-new-tokens`` over the
+consumer's limit) end the run before the traffic starts."""
 
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ APART = {"deadline_exceeded", "transport error", "unavailable", "internal", "unk
 """Outcomes counted apart: lost requests, and server errors (tolerated inside the consumer's restart)."""
 
 
+FAULT_FRAME_TIMEOUT_S = 5.0
+"""The consumer's frame_timeout_s under ``--faults``: a stalled sender is cut after this long."""
+RSS_GROWTH, RSS_GROWTH_MB = 0.05, 50.0
+"""A service's RSS at the end may exceed its RSS after warm-up by 5% or 50 MB, whichever is more."""
+
+
 class SoakError(RuntimeError):
     """The soak cannot run as asked (the services refused its first request)."""
 
@@ -51,6 +59,8 @@ def unexpected(outcomes: collections.Counter) -> list[tuple[str, str]]:
     a pass (a soak whose every request was refused passed). Lost requests and 5xx are counted apart."""
     out = []
     for kind, outcome in sorted(outcomes):
+        if kind.startswith("fault:"):  # checked as they are sent (Tally.wrong): each kind has its one answer
+            continue
         base, restart = outcome.removesuffix(" (restart)"), outcome.endswith(" (restart)")
         if kind == "corrupt":  # must be DATA_LOSS; the consumer is down in the restart window
             fine = {"data_loss"} | ({"unavailable", "internal", "unknown"} if restart else set())
@@ -79,6 +89,7 @@ class Tally:
     lost: list[str] = field(default_factory=list)
     examples: dict = field(default_factory=dict)  # (kind, outcome) -> the first such answer's message
     server_errors: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)  # a failing stream answered other than it must be
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, outcome: str, ttft: float | None = None, detail: str = "") -> None:
@@ -92,9 +103,13 @@ class Tally:
 
 class Soak:
     def __init__(self, pair: str, minutes: float, clients: int, max_new_tokens: int, seed: int,
-                 methods: tuple[str, ...] = METHODS):
-        """``methods``: those the pair can serve (its store's artifacts and profiles), of ``METHODS``."""
+                 methods: tuple[str, ...] = METHODS, faults: bool = False, rss_every: int = 200):
+        """``methods``: those the pair can serve (its store's artifacts and profiles), of ``METHODS``.
+        ``faults``: streams that fail part-way beside the good traffic (``tools.soak_faults``), the
+        consumer's frame_timeout_s at ``FAULT_FRAME_TIMEOUT_S`` so that a stalled sender is cut soon."""
         self.pair, self.seconds, self.clients, self.max_new = pair, minutes * 60, clients, max_new_tokens
+        self.faults, self.rss_every, self.faulty = faults, rss_every, None
+        self.rss_series: list[dict] = []
         self.methods = methods
         self.rng = random.Random(seed)
         self.tally = Tally()
@@ -121,7 +136,8 @@ class Soak:
             raise SoakError(f"the {role} did not start ({e}); the end of its log:\n{tail}") from None
 
     def _consumer(self) -> subprocess.Popen:
-        return self._spawn("consumer", ["--pair", self.pair, "--port", str(self.cport)])
+        extra = ["--set", f"frame_timeout_s={FAULT_FRAME_TIMEOUT_S}"] if self.faults else []
+        return self._spawn("consumer", ["--pair", self.pair, "--port", str(self.cport), *extra])
 
     def start(self) -> None:
         self.cport, self.pport, self.hport = free_port(), free_port(), free_port()
@@ -184,6 +200,8 @@ class Soak:
                 t.add(kind, "ok", ttft if kind == "grpc" else None)
             elif kind == "corrupt":
                 self._corrupt()
+            elif kind.startswith("fault:"):
+                self._fault(kind)
             else:
                 self._http(kind, method)
         except grpc.RpcError as e:
@@ -255,6 +273,17 @@ class Soak:
                 self.tally.add("corrupt", e.code().name.lower() + (" (restart)" if self.restarting.is_set() else ""),
                                detail=e.details() or "")
 
+    def _fault(self, kind: str) -> None:
+        from tools.soak_faults import EXPECTED
+
+        what = kind.removeprefix("fault:")
+        restart = self.restarting.is_set()
+        outcome, detail = self.faulty.send(what)
+        restart = restart or self.restarting.is_set()
+        if outcome != EXPECTED[what] and not (restart and outcome in ("unavailable", "internal", "unknown")):
+            self.tally.wrong.append(f"{kind}: {outcome} {detail[:200]} (expected {EXPECTED[what]})")
+        self.tally.add(kind, outcome + (" (restart)" if restart else ""), detail=detail)
+
     def preflight(self) -> None:
         """One request of the traffic's own shape before the traffic starts (SoakError if refused)."""
         req = client.request(self._prompt(), consumer=self.pair, method=self.methods[-1], max_new_tokens=self.max_new)
@@ -265,14 +294,29 @@ class Soak:
                             "nothing was soaked") from None
 
     def worker(self) -> None:
-        weights = (5, 2, 2, 2, 1, 1)
+        from tools.soak_faults import KINDS as FAULTS
+
+        kinds, weights = list(KINDS), [5, 2, 2, 2, 1, 1]
+        if self.faults:  # about half of the streams fail part-way; killed senders cost a process each
+            kinds += [f"fault:{k}" for k in FAULTS]
+            weights += [1 if k in ("killed", "stall") else 2 for k in FAULTS]
         while not self.stop.is_set():
-            self.one(self.rng.choices(KINDS, weights)[0])
+            self.one(self.rng.choices(kinds, weights)[0])
 
     # ------------------------------------------------------------------ run
     def sample_rss(self, label: str) -> None:
         for role, p in self.procs.items():
             self.rss[role][label] = rss_mb(p.pid)
+
+    def sample_series(self, elapsed: float) -> None:
+        """Every ``rss_every`` streams: both services' RSS (printed as it goes, kept for the report)."""
+        n = sum(self.tally.outcomes.values())
+        if n >= (len(self.rss_series) + 1) * self.rss_every:
+            row = {"streams": n, "minute": round(elapsed / 60, 1),
+                   **{role: round(rss_mb(p.pid)) for role, p in self.procs.items()}}
+            self.rss_series.append(row)
+            print(f"  {n:6d} streams, {row['minute']:5.1f} min: producer {row['producer']} MB, consumer "
+                  f"{row['consumer']} MB", flush=True)
 
     def run(self) -> dict:
         t_start = time.monotonic()
@@ -280,6 +324,11 @@ class Soak:
             self.logdir = Path(logs)
             try:
                 self.start()
+                if self.faults:
+                    from tools.soak_faults import FaultyStreams, Shape
+
+                    self.faulty = FaultyStreams(Shape.of_pair(self.pair), f"127.0.0.1:{self.cport}",
+                                                random.Random(self.rng.random()), FAULT_FRAME_TIMEOUT_S)
                 self.preflight()
                 return self._traffic(t_start)
             finally:  # a refusal, a service that did not start, ^C: no service left behind
@@ -301,6 +350,7 @@ class Soak:
                 self.sample_rss("after_warmup")
             for role, p in self.procs.items():
                 peak[role] = max(peak[role], rss_mb(p.pid))
+            self.sample_series(elapsed)
             time.sleep(1)
         self.stop.set()
         for th in threads:
@@ -328,22 +378,24 @@ class Soak:
         ok_mem = True
         for role, r in self.rss.items():
             base, final = r.get("after_warmup", 0.0), r.get("final", 0.0)
-            within = base > 0 and final <= 1.10 * base
+            allowed = base + max(RSS_GROWTH * base, RSS_GROWTH_MB)
+            within = base > 0 and final <= allowed
             ok_mem &= within
             print(f"{role:9s} RSS after warm-up {base:7.0f} MB, peak {r.get('peak', 0):7.0f} MB, final {final:7.0f} MB "
-                  f"({'within' if within else 'OVER'} 110%)")
+                  f"({'within' if within else 'OVER'} {allowed:.0f} MB: warm-up + 5% or 50 MB)")
         refused = unexpected(t.outcomes)
-        for what in t.lost[:10] + t.server_errors[:10]:
+        for what in t.lost[:10] + t.server_errors[:10] + t.wrong[:10]:
             print("  !", what)
         for kind, outcome in refused[:10]:
             print(f"  ! {kind} {outcome}: {t.outcomes[kind, outcome]} request(s) refused, as "
                   f"{t.examples.get((kind, outcome), '(no message)')!r}")
-        passed = not t.lost and not t.server_errors and not refused and ok_mem
+        passed = not t.lost and not t.server_errors and not refused and not t.wrong and ok_mem
         out = {"minutes": self.seconds / 60, "clients": self.clients, "methods": list(self.methods),
                "requests": sum(t.outcomes.values()),
                "outcomes": {f"{k}|{o}": n for (k, o), n in sorted(t.outcomes.items())},
                "ttft_p50_ms": q(0.5), "ttft_p99_ms": q(0.99), "rss_mb": self.rss, "lost": len(t.lost),
-               "server_errors": len(t.server_errors), "refused": len(refused), "memory_returned": ok_mem,
+               "server_errors": len(t.server_errors), "refused": len(refused), "wrong_answers": len(t.wrong),
+               "faults": self.faults, "rss_series": self.rss_series, "memory_returned": ok_mem,
                "passed": passed, "wall_s": round(wall_s, 1)}
         print(json.dumps(out))
         return out

@@ -120,3 +120,27 @@ def test_failing_streams_leave_no_task_and_nothing_decoded(consumer, caplog):
                  or "different event loop" in r.getMessage()]
     assert not destroyed, destroyed[:3]
     assert metrics.value("process_resident_memory_bytes") > 0  # the operator's view of the same
+
+
+def test_every_kind_of_the_soaks_failing_streams_gets_its_answer_and_leaves_nothing(consumer):
+    """``scd soak --faults`` sends these beside its good traffic and fails on any other answer: each
+    kind once here, against the tiny consumer, which then holds no task and still serves."""
+    import random
+
+    from shared.model.fingerprint import weights_fingerprint
+    from tools.soak_faults import EXPECTED, KINDS, FaultyStreams, Shape
+
+    svc, model = consumer
+    address = svc.consumer_addresses["c"]
+    metrics = svc.consumer_servers["c"].servicer.metrics
+    cfg = model.config
+    shape = Shape("c", N_LAYERS, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads,
+                  weights_fingerprint(model))
+    faulty = FaultyStreams(shape, address, random.Random(0), stall_s=1.0, n_tokens=40)
+    got = {kind: faulty.send(kind) for kind in KINDS}
+    assert {k: o for k, (o, _) in got.items()} == EXPECTED, got
+    assert _send(address, iter(_stream(model)))[0] == "ok"
+    deadline = time.time() + 10
+    while (_pending_transfer_tasks() or metrics.value("live_tasks")) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _pending_transfer_tasks() and metrics.value("live_tasks") == 0

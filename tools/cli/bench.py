@@ -199,6 +199,10 @@ def soak(
     clients: int = typer.Option(3, min=1, help="Client threads sending at once."),
     max_new_tokens: int = typer.Option(16, min=1, help="Tokens each request asks for."),
     seed: int = typer.Option(0, help="Seed of the traffic mix (prompts, methods, cancellations)."),
+    faults: bool = typer.Option(False, "--faults", help="Add streams that fail part-way, straight to the consumer "
+                                "(bad checksum, NaN, truncated, stalled, cancelled, sender killed, oversized, "
+                                "undeclared tensor): each must get its one answer and leave no memory behind."),
+    rss_every: int = typer.Option(200, min=1, help="Print both services' RSS every this many streams."),
     json_out: JsonOut = None,
 ) -> None:
     """Benchmark: minutes of mixed traffic (every method, HTTP and gRPC, streamed or not, cancellations,
@@ -210,7 +214,8 @@ def soak(
 
     served = served_methods(entry(pair).store_dir(), pair)  # a pair without calibration: the methods it serves
     try:
-        res = Soak(pair, minutes, clients, max_new_tokens, seed, tuple(m for m in METHODS if m in served)).run()
+        res = Soak(pair, minutes, clients, max_new_tokens, seed, tuple(m for m in METHODS if m in served),
+                   faults=faults, rss_every=rss_every).run()
     except (SoakError, RuntimeError, TimeoutError) as e:  # refused, or a service that did not start
         fail(str(e), 1)
     if json_out:
