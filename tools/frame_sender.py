@@ -1,6 +1,6 @@
 """A producer stand-in for ``scd soak --faults``: streams recorded frames to a consumer, says SENT,
-then waits to be killed (SIGKILL) mid-stream. Imports only grpc and the generated protocol, so it
-starts in about a second.
+then waits to be killed (SIGKILL) mid-stream; a call that fails first prints its status code (lower
+case). Imports only grpc and the generated protocol, so it starts in about a second.
 
     python tools/frame_sender.py ADDRESS FRAMES_FILE
 """
@@ -33,8 +33,11 @@ def main() -> None:
         forever.wait()
 
     with grpc.insecure_channel(address) as ch:
-        for _ in pbg.ConsumerStub(ch).Transfer(gen()):
-            pass
+        try:
+            for _ in pbg.ConsumerStub(ch).Transfer(gen()):
+                pass
+        except grpc.RpcError as e:  # the consumer refused or is gone (restarting): said, as the soak counts it
+            print(e.code().name.lower(), flush=True)
 
 
 if __name__ == "__main__":

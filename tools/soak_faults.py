@@ -136,8 +136,8 @@ class FaultyStreams:
         proc = subprocess.Popen([sys.executable, str(SENDER), self.address, str(self._file)], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True)
         try:
-            line = proc.stdout.readline() if proc.stdout else ""
-            outcome = "killed" if line.strip() == "SENT" else f"sender ended early ({proc.poll()})"
+            line = (proc.stdout.readline() if proc.stdout else "").strip()
+            outcome = "killed" if line == "SENT" else line or f"the sender exited first ({proc.wait(10)})"
         finally:
             proc.kill()
             proc.wait(10)
