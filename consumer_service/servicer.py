@@ -16,6 +16,7 @@ from shared.codecs import CODECS
 from shared.config import BENCH_HOLD_METADATA
 from shared.domain import HeaderReceived
 from shared.errors import InvalidPayload, NotReady
+from shared.memory import release_freed
 from shared.metrics import log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2 as pb
@@ -110,6 +111,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
         finally:
             self._active.discard(task)  # type: ignore[arg-type]
             self._shed.discard(task)  # type: ignore[arg-type]
+            release_freed()  # what the request held goes back to the system, not to the allocator's arenas
             self.metrics.requests.labels(record.method, outcome, record.fallback or "none").inc()
             if s.access_log:
                 log_request(record.request_id or "-", method=record.method, outcome=outcome,

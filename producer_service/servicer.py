@@ -18,6 +18,7 @@ from producer_service.engine import ProducerEngine, StreamStats
 from shared.config import BENCH_HOLD_METADATA
 from shared.domain import GenerateRequest, TokenEvent
 from shared.errors import NotReady, PeerError
+from shared.memory import release_freed
 from shared.metrics import Metrics, log_request
 from shared.rpc import convert
 from shared.rpc import scd_pb2 as pb
@@ -262,6 +263,7 @@ class ProducerServicer(pbg.ProducerServicer):
             raise
         finally:
             m.inflight.dec()
+            release_freed()  # the request's prefill state and frames go back to the system
             m.requests.labels(method, outcome, fallback).inc()
             if self.engine.settings.access_log:
                 log_request(request.request_id, consumer=request.consumer, method=last.method if last else method,

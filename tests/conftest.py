@@ -1,9 +1,41 @@
+import logging
 import os
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ASYNC_FAULTS = ("Task was destroyed but it is pending", "is bound to a different event loop",
+                "Task exception was never retrieved")
+"""What asyncio logs of a task that outlived its request (issue 58): never, anywhere in the suite."""
+
+
+class _AsyncFaults(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if any(f in msg for f in ASYNC_FAULTS):
+            self.seen.append(msg.splitlines()[0][:300])
+
+
+_ASYNC_FAULTS = _AsyncFaults()
+logging.getLogger("asyncio").addHandler(_ASYNC_FAULTS)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite fails if asyncio said, at any time (garbage collection included), that a task was left."""
+    import gc
+
+    gc.collect()
+    if _ASYNC_FAULTS.seen:
+        print(f"\n{len(_ASYNC_FAULTS.seen)} asyncio fault(s) in the suite's logs (a task outlived its request):")
+        for m in _ASYNC_FAULTS.seen[:10]:
+            print("  ", m)
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")
