@@ -6,6 +6,7 @@ Domain types in and out; no protobuf. Admission control and the service's metric
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -309,6 +310,16 @@ class ConsumerEngine(Engine):
         if h.deadline_unix:
             deadline = min(deadline, h.deadline_unix)
         req = self.open(h)
+        try:
+            async with contextlib.aclosing(self._serve(req, events, deadline, record, hold)) as served:
+                async for ev in served:
+                    yield ev
+        finally:  # what the request decoded goes now, even if a traceback still holds this frame
+            req.session = None
+            record.schema = None
+
+    async def _serve(self, req: Request, events: AsyncIterator[StreamEvent], deadline: float,
+                     record: TransferRecord, hold: bool) -> AsyncGenerator[TokenEvent, None]:
         record.fallback = req.fallback
         if req.fallback:
             self.metrics.fallbacks.labels(req.fallback).inc()
@@ -371,7 +382,11 @@ class ConsumerEngine(Engine):
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    raise item
+                    err, item = item, None
+                    try:
+                        raise err
+                    finally:  # no frame of this request keeps its own exception (a cycle: the traceback holds
+                        del err  # the frames, and they the request's layers, until the collector's next full pass)
                 if isinstance(item, TrailerReceived):
                     break
                 if not isinstance(item, LayerReceived):

@@ -111,7 +111,6 @@ class ConsumerServicer(pbg.ConsumerServicer):
         finally:
             self._active.discard(task)  # type: ignore[arg-type]
             self._shed.discard(task)  # type: ignore[arg-type]
-            release_freed()  # what the request held goes back to the system, not to the allocator's arenas
             self.metrics.requests.labels(record.method, outcome, record.fallback or "none").inc()
             if s.access_log:
                 log_request(record.request_id or "-", method=record.method, outcome=outcome,
@@ -121,6 +120,7 @@ class ConsumerServicer(pbg.ConsumerServicer):
                             ttft_ms=(first - t0) * 1e3 if first else "-", bytes_in=record.bytes_in,
                             reconstruct_ms=last.reconstruct_ms if last else "-",
                             total_ms=(time.perf_counter() - t0) * 1e3)
+            release_freed()  # what the request held goes back to the system, not to the allocator's arenas
 
     async def Info(self, request, context):
         e = self.engine

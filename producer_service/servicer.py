@@ -263,7 +263,6 @@ class ProducerServicer(pbg.ProducerServicer):
             raise
         finally:
             m.inflight.dec()
-            release_freed()  # the request's prefill state and frames go back to the system
             m.requests.labels(method, outcome, fallback).inc()
             if self.engine.settings.access_log:
                 log_request(request.request_id, consumer=request.consumer, method=last.method if last else method,
@@ -271,6 +270,7 @@ class ProducerServicer(pbg.ProducerServicer):
                             completion_tokens=last.completion_tokens if last else sent if first else "-",
                             ttft_ms=(first - t0) * 1e3 if first else "-", wire_bytes=seen.totals.wire_bytes,
                             total_ms=(time.perf_counter() - t0) * 1e3)
+            release_freed()  # the request's prefill state and frames go back to the system
 
     async def _generate(self, request: GenerateRequest, time_remaining: float | None, hold: bool,
                         seen: "_Seen"):

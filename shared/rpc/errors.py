@@ -44,37 +44,46 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def grpc_errors(fn):
-    """Decorator: map domain exceptions raised by a servicer method to ``context.abort``."""
+    """Decorator: map domain exceptions raised by a servicer method to ``context.abort``. The abort
+    happens after the except block: raised inside it, gRPC's abort exception carried the request's
+    exception as its context, whose traceback held every frame of the failed request (its decoded
+    layers, its cache), and gRPC keeps the abort exception with the call's state for a while: a
+    consumer's memory grew by about 1 MB with every stream that failed mid-layer (issue 58)."""
 
-    async def _abort(context, exc):
+    def _status(exc) -> tuple[grpc.StatusCode, str]:
         code, msg = status_for(exc)
         if isinstance(exc, E.PeerError):  # the peer's own failure, logged (with its traceback) where it happened
             if code == grpc.StatusCode.INTERNAL:
                 log.warning("%s: relayed the peer's %s: %s", fn.__name__, exc.code, msg)
         elif code == grpc.StatusCode.INTERNAL:
             log.exception("unhandled error in %s", fn.__name__, exc_info=exc)
-        await context.abort(code, msg)
+        return code, msg
 
     if inspect.isasyncgenfunction(fn):
         @functools.wraps(fn)
         async def gen_wrapper(self, request, context):
+            failed = None
             try:
                 async for item in fn(self, request, context):
                     yield item
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status
-                await _abort(context, exc)
+                failed = _status(exc)
+            if failed is not None:
+                await context.abort(*failed)
 
         return gen_wrapper
 
     @functools.wraps(fn)
     async def wrapper(self, request, context):
+        failed = None
         try:
             return await fn(self, request, context)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            failed = _status(exc)
+        await context.abort(*failed)
 
     return wrapper

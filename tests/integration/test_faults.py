@@ -92,6 +92,9 @@ def test_client_that_goes_away_frees_the_request_on_both_sides(svc, monkeypatch,
         call.cancel()
     gates[4000].set()
     wait_for(lambda: idle(svc, "same") and pm.value("inflight_requests") == 0, what="both sides to free")
+    # counted as the call's handler ends, a moment after its slot is freed
+    wait_for(lambda: cs.metrics.value("requests_total", method="raw", outcome="cancelled", fallback="none")
+             >= cancelled + 1, what="the consumer to count the cancelled request")
     assert cs.metrics.value("requests_total", method="raw", outcome="cancelled", fallback="none") == cancelled + 1
     # the request log says what was known and sent (it said prompt_tokens=- completion_tokens=-)
     def logged(*having: str, lacking: str = "completion_tokens=-") -> bool:  # written just after the slot is freed
