@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt pyproject.toml Makefile | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets lint test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env \
+.PHONY: install assets lint docs-tables test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env \
 	deploy-tools image test-deploy k8s test-vllm
 
 install: $(STAMP)
@@ -48,6 +48,10 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: install assets vllm-env
 	SCD_PROJECT_PYTHON=$(PY) tools/deploy/process-group.sh $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	  -m vllm tests/vllm $(PYTEST_ARGS)
+
+# the docs' tables made from committed files (operating tables): rewritten; tests/unit/test_docs_tables.py checks
+docs-tables: install
+	$(PY) -m tools.docs_tables
 
 # ruff over everything; the type checker over the serving library and the services (pyproject.toml)
 lint: install
