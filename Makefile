@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt pyproject.toml Makefile | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: install assets lint docs-tables test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env \
+.PHONY: install assets lint docs-tables test-fast test test-all demo proto clean-venv bench-overlap bench bench-quick bench-fleet calibrate eval soak vllm-env \
 	deploy-tools image test-deploy k8s test-vllm
 
 install: $(STAMP)
@@ -58,8 +58,12 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# the fast tier: no real model, no calibration, no assets (tests/conftest.py marks it); under a minute on 2 cores
+test-fast: install
+	$(PY) -m pytest -q -m fast --durations=10 $(PYTEST_ARGS)
+
 test: install assets lint
-	$(PY) -m pytest -q -m "not slow and not gpu and not deploy and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not gpu and not deploy and not vllm" --durations=25 $(PYTEST_ARGS)
 
 # The image, built offline (issue 19): a Docker daemon (Debian's docker.io, started if none answers),
 # a debootstrap'd Debian base with Python 3.11, and a wheelhouse of the tested environment's wheels

@@ -26,6 +26,32 @@ _ASYNC_FAULTS = _AsyncFaults()
 logging.getLogger("asyncio").addHandler(_ASYNC_FAULTS)
 
 
+HEAVY_FIXTURES = {"real_assets", "tokenizer", "tiny_artifacts", "tiny_droidspeak", "tiny_spectrum", "tiny_ridge"}
+"""Fixtures that load the real model or run a calibration: a test that uses one is not in the fast tier."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers: a test is ``fast`` (``make test-fast``) unless it is an integration test, is marked
+    real/slow/gpu/deploy/vllm, uses a fixture of ``HEAVY_FIXTURES``, or is named in ``NOT_FAST``."""
+    for item in items:
+        path = str(item.fspath)
+        heavy = ("/tests/unit/" not in path or any(item.get_closest_marker(m) for m in
+                                                     ("real", "slow", "gpu", "deploy", "vllm"))
+                 or HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+                 or any(path.endswith(f"/{name}") or item.nodeid.endswith(f"/{name}") for name in NOT_FAST))
+        if not heavy:
+            item.add_marker(pytest.mark.fast)
+
+
+NOT_FAST = ("test_scd_fallback.py", "test_heldout.py", "test_refallback.py", "test_fast_calibration.py",
+            "test_entry_map.py", "test_calibration_aligner.py", "test_code_levels.py", "test_anatomy.py",
+            "test_sparse_block.py", "test_codec_contract.py", "test_block_guard.py",
+            # reads the built-in pair's registration (scd assets), not its weights
+            "test_config.py::test_calibrate_names_every_setting_the_pairs_model_cannot_take_before_loading_it")
+"""Unit test modules (or ``module::test``) that calibrate, load models or read the assets themselves
+(found with --durations and with an empty SCD_HOME): not in the fast tier."""
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The suite fails if asyncio said, at any time (garbage collection included), that a task was left."""
     import gc
