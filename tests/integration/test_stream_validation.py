@@ -10,7 +10,7 @@ import time
 
 import grpc
 import pytest
-from ops_common import MD, cons, idle, make_frames
+from ops_common import MD, PROMPT, cons, idle, make_frames
 from ops_support import wait_for
 
 from shared.rpc import scd_pb2 as pb
@@ -182,3 +182,35 @@ def test_the_wait_for_the_first_data_frame_allows_for_the_prefill(svc, monkeypat
         assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
         assert "no frame for 1.5 s (frame_timeout_s)" in err.details(), err.details()
     still_serves(svc, "lease")
+
+
+# ---------------------------------------------------------------------------- a sender still writing
+def test_an_async_sender_still_writing_gets_the_status_not_a_transport_error(svc):
+    """A grpc.aio client still writing its frames when the consumer refused the stream saw "INTERNAL:
+    Internal error from Core" instead of the status (45 of 200 refused at the header, issue 58): the
+    consumer now reads on until the sender stops (1 s at most) before it ends the call."""
+    import asyncio
+
+    refused_at_header = make_frames(svc, "same", prompt_ids=[9999] + PROMPT[1:])
+    flipped = make_frames(svc, "same")
+    flipped[2].chunk.crc32c ^= 1
+
+    async def codes(frames, n=40):
+        got = []
+        async with grpc.aio.insecure_channel(svc.consumer_addresses["same"]) as ch:
+            stub = pbg.ConsumerStub(ch)
+            for _ in range(n):
+                async def gen():
+                    for f in frames:
+                        yield f
+                try:
+                    async for _ in stub.Transfer(gen(), timeout=30, metadata=MD):
+                        pass
+                    got.append("answered")
+                except grpc.aio.AioRpcError as e:
+                    got.append(e.code().name)
+        return got
+
+    assert set(asyncio.run(codes(refused_at_header))) == {"INVALID_ARGUMENT"}
+    assert set(asyncio.run(codes(flipped))) == {"DATA_LOSS"}
+    still_serves(svc)
