@@ -177,8 +177,8 @@ def test_killed_producer_mid_stream_is_freed_within_the_lease(svc, tmp_path):
     cs = cons(svc, "lease")
     n = len(frames) // 2
     seen = cs.metrics.value("frames_total", method="raw")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("ops_frame_sender.py")),
-                             svc.consumer_addresses["lease"], TOKEN, str(path), str(n)],
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parents[2] / "tools" / "frame_sender.py"),
+                             svc.consumer_addresses["lease"], str(path), str(n), TOKEN],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(), text=True)
     try:
         wait_for(lambda: cs.admission.active == 1 and cs.metrics.value("frames_total", method="raw") >= seen + n,
